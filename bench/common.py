@@ -1,0 +1,106 @@
+"""Shared helpers for benchmarks: workloads, machine description, report writing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+from pathlib import Path
+from typing import Any
+
+from config.schemas import Request
+
+__all__ = ["machine", "replace_section", "workload"]
+
+WORDS = [
+    "queue",
+    "batch",
+    "token",
+    "image",
+    "video",
+    "frame",
+    "worker",
+    "model",
+    "redis",
+    "result",
+    "status",
+    "prompt",
+    "padding",
+    "latency",
+    "throughput",
+    "vision",
+    "language",
+    "request",
+    "conversation",
+    "fleet",
+    "budget",
+]
+
+
+def machine() -> str:
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown CPU"
+    import torch
+    import transformers
+
+    return (
+        f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def workload(
+    kind: str, n: int, media_dir: Path, seed: int = 0, prompt_words: tuple[int, int] = (4, 24)
+) -> list[Request]:
+    """n requests of one modality class with varied prompt lengths."""
+    from workers.samples import save_image, save_video
+
+    rng = random.Random(seed)
+    media_dir.mkdir(parents=True, exist_ok=True)
+    image = media_dir / "bench.png"
+    video = media_dir / "bench.mp4"
+    if not image.exists():
+        save_image(image, size=(224, 224), seed=1)
+    if not video.exists():
+        save_video(video, n_frames=16, size=(64, 64), fps=8, seed=2)
+    requests = []
+    for i in range(n):
+        text = {"type": "text", "text": _prompt(rng, rng.randint(*prompt_words))}
+        content: list[dict[str, Any]]
+        if kind == "text":
+            content = [text]
+        elif kind == "image":
+            content = [{"type": "image", "image": str(image)}, text]
+        else:
+            content = [{"type": "video", "video": str(video), "fps": 8, "max_frames": 16}, text]
+        requests.append(
+            Request.model_validate(
+                {"custom_id": f"{kind}-{i}", "messages": [{"role": "user", "content": content}]}
+            )
+        )
+    return requests
+
+
+def replace_section(path: Path, marker: str, body: str) -> None:
+    """Replace the text between <!-- marker:start --> and <!-- marker:end -->."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text, encoding="utf-8")

@@ -1,0 +1,168 @@
+"""The one exception hierarchy of vlmq.
+
+Every error a client can see carries a stable ``code`` and a short ``message``
+that never contains a raw exception text, a stack trace or an object repr.
+
+    VlmqError
+    ├── PermanentError            the task fails; retrying cannot help
+    │   ├── InvalidRequest        invalid_request
+    │   ├── MediaError
+    │   │   ├── MediaFetchFailed  media_fetch_failed (4xx, missing file, bad URL)
+    │   │   ├── MediaTooLarge     media_too_large
+    │   │   ├── MediaForbidden    media_forbidden
+    │   │   └── MediaDecodeFailed media_decode_failed
+    │   ├── TooManyMedia          too_many_media
+    │   ├── PromptTooLong         prompt_too_long
+    │   ├── GenerationFailed      generation_failed
+    │   ├── DeadLettered          dead_lettered
+    │   ├── Cancelled             cancelled
+    │   └── Expired               expired
+    ├── RetryableError            transient; retried with backoff, then failed
+    │   ├── MediaFetchTransient   media_fetch_failed (5xx, 429, timeout, DNS)
+    │   ├── StoreUnavailable      store_unavailable
+    │   └── BrokerUnavailable     broker_unavailable
+    └── ConfigError               configuration_error (operator mistake, not a task error)
+
+``OutOfMemory`` is internal to the engine: it halves the micro-batch and is
+never reported unless a batch of one still runs out of memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BrokerUnavailable",
+    "Cancelled",
+    "ConfigError",
+    "DeadLettered",
+    "Expired",
+    "GenerationFailed",
+    "InvalidRequest",
+    "MediaDecodeFailed",
+    "MediaError",
+    "MediaFetchFailed",
+    "MediaFetchTransient",
+    "MediaForbidden",
+    "MediaTooLarge",
+    "OutOfMemory",
+    "PermanentError",
+    "PromptTooLong",
+    "RetryableError",
+    "StoreUnavailable",
+    "TooManyMedia",
+    "VlmqError",
+    "error_record",
+]
+
+
+class VlmqError(Exception):
+    """Root of every vlmq error; ``code`` is stable and machine-readable."""
+
+    code: str = "internal_error"
+    retryable: bool = False
+
+    def __init__(self, message: str | None = None) -> None:
+        self.message = message or self.default_message()
+        super().__init__(self.message)
+
+    @classmethod
+    def default_message(cls) -> str:
+        return cls.code.replace("_", " ")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+
+
+class PermanentError(VlmqError):
+    """The task fails; running it again gives the same answer."""
+
+
+class RetryableError(VlmqError):
+    """A transient failure (network, store, broker): retry with backoff."""
+
+    retryable = True
+
+
+class ConfigError(VlmqError):
+    code = "configuration_error"
+
+
+class InvalidRequest(PermanentError):
+    code = "invalid_request"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class MediaError(PermanentError):
+    code = "media_error"
+
+
+class MediaFetchFailed(MediaError):
+    code = "media_fetch_failed"
+
+
+class MediaTooLarge(MediaError):
+    code = "media_too_large"
+
+
+class MediaForbidden(MediaError):
+    code = "media_forbidden"
+
+
+class MediaDecodeFailed(MediaError):
+    code = "media_decode_failed"
+
+
+class TooManyMedia(PermanentError):
+    code = "too_many_media"
+
+
+class PromptTooLong(PermanentError):
+    code = "prompt_too_long"
+
+
+class GenerationFailed(PermanentError):
+    code = "generation_failed"
+
+
+class DeadLettered(PermanentError):
+    """Delivered too many times without finishing (its worker died each time)."""
+
+    code = "dead_lettered"
+
+
+class Cancelled(PermanentError):
+    code = "cancelled"
+
+
+class Expired(PermanentError):
+    code = "expired"
+
+
+class MediaFetchTransient(RetryableError):
+    code = "media_fetch_failed"
+
+
+class StoreUnavailable(RetryableError):
+    code = "store_unavailable"
+
+
+class BrokerUnavailable(RetryableError):
+    code = "broker_unavailable"
+
+
+class OutOfMemory(VlmqError):
+    """Raised (or injected) when a micro-batch does not fit on the device."""
+
+    code = "out_of_memory"
+    retryable = True
+
+
+def error_record(exc: BaseException) -> dict[str, Any]:
+    """The client-facing form of any exception: never leaks its text or repr."""
+    if isinstance(exc, VlmqError):
+        return exc.to_dict()
+    return {"code": "internal_error", "message": "internal error", "retryable": False}

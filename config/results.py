@@ -1,0 +1,192 @@
+"""Result stores: one JSON object per task under a key derived from job and task id.
+
+Chosen by URL: ``s3://bucket/prefix`` (boto3; any S3-compatible endpoint via
+``endpoint_url``) or ``file:///dir`` / ``file://./dir`` for the embedded
+default. Keys are deterministic, so a redelivered task overwrites its own
+object instead of creating a second one. Workers write; producers read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from config.errors import ConfigError, StoreUnavailable
+
+__all__ = ["FileStore", "ResultStore", "S3Store", "open_store", "result_key"]
+
+
+def result_key(task_id: str, job_id: str | None = None) -> str:
+    return f"{job_id or '_tasks'}/{task_id}.json"
+
+
+class ResultStore(ABC):
+    url: str
+
+    @abstractmethod
+    def put(self, key: str, record: dict[str, Any]) -> str:
+        """Write one result object; returns its URL."""
+
+    @abstractmethod
+    def get(self, url_or_key: str) -> dict[str, Any] | None:
+        """Read one result object, or None when it does not exist."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def keys(self, prefix: str = "") -> list[str]: ...
+
+    def ping(self) -> None:  # noqa: B027 - reachable by default (local stores)
+        """Raise StoreUnavailable when the store cannot be reached."""
+
+    def presign(self, key: str, expires_s: int = 3600) -> str | None:
+        return None
+
+    def key_of(self, url_or_key: str) -> str:
+        return url_or_key.removeprefix(self.url.rstrip("/") + "/")
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class FileStore(ResultStore):
+    def __init__(self, url: str) -> None:
+        parsed = urlparse(url)
+        self.root = Path((parsed.netloc or "") + parsed.path).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root not in path.parents:
+            raise ConfigError("result key escapes the store root")
+        return path
+
+    def put(self, key: str, record: dict[str, Any]) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename: a reader never sees half an object.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(_encode(record))
+        os.replace(tmp, path)
+        return f"{self.url}/{key}"
+
+    def get(self, url_or_key: str) -> dict[str, Any] | None:
+        path = self._path(self.key_of(url_or_key))
+        if not path.exists():
+            return None
+        result: dict[str, Any] = json.loads(path.read_bytes())
+        return result
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.exists():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*.json") if p.is_file())
+
+
+class S3Store(ResultStore):
+    def __init__(self, url: str, endpoint_url: str | None = None, region: str = "us-east-1"):
+        import boto3
+        from botocore.config import Config
+
+        parsed = urlparse(url)
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.url = url.rstrip("/")
+        config = Config(
+            retries={"mode": "standard", "max_attempts": 5},
+            connect_timeout=5,
+            read_timeout=30,
+            max_pool_connections=32,
+        )
+        self.client = boto3.client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, record: dict[str, Any]) -> str:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=self._full(key),
+                Body=_encode(record),
+                ContentType="application/json",
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store did not accept the write") from exc
+        return f"{self.url}/{key}"
+
+    def get(self, url_or_key: str) -> dict[str, Any] | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            reply = self.client.get_object(
+                Bucket=self.bucket, Key=self._full(self.key_of(url_or_key))
+            )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise StoreUnavailable("the results store could not be read") from exc
+        except BotoCoreError as exc:
+            raise StoreUnavailable("the results store could not be read") from exc
+        result: dict[str, Any] = json.loads(reply["Body"].read())
+        return result
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._full(key))
+        except ClientError:
+            return False
+        return True
+
+    def keys(self, prefix: str = "") -> list[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        full = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out: list[str] = []
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+            out += [obj["Key"][strip:] for obj in page.get("Contents", [])]
+        return sorted(out)
+
+    def ping(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store is not reachable") from exc
+
+    def presign(self, key: str, expires_s: int = 3600) -> str | None:
+        url: str = self.client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.bucket, "Key": self._full(key)},
+            ExpiresIn=expires_s,
+        )
+        return url
+
+
+def open_store(url: str, endpoint_url: str | None = None, region: str = "us-east-1") -> ResultStore:
+    scheme = urlparse(url).scheme
+    if scheme == "file":
+        return FileStore(url)
+    if scheme == "s3":
+        return S3Store(url, endpoint_url=endpoint_url, region=region)
+    raise ConfigError(f"results URL must be s3://bucket/prefix or file:///dir, got {scheme!r}")

@@ -1,0 +1,254 @@
+"""Request and result schemas: the wire contract between producers and workers.
+
+A request is one conversation. Producers accept the Hugging Face chat format
+(``{"type": "image", "image": ...}``) and OpenAI chat content parts
+(``{"type": "image_url", "image_url": {"url": ...}}``) and normalise both into
+one canonical form, so workers see a single shape:
+
+    {"type": "text",  "text": "..."}
+    {"type": "image", "source": "<path | file:// | http(s):// | s3:// | data:>"}
+    {"type": "video", "source": "...", "fps": 2.0, "max_frames": 16}
+"""
+
+from __future__ import annotations
+
+import uuid
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "FinishReason",
+    "GenerationParams",
+    "ImagePart",
+    "Message",
+    "Modality",
+    "Request",
+    "Result",
+    "TextPart",
+    "Usage",
+    "VideoPart",
+    "new_task_id",
+]
+
+
+class Modality(str, Enum):
+    """The routing class of a request: decides which queue and worker serve it."""
+
+    TEXT = "text"
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+def new_task_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TextPart(_Part):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImagePart(_Part):
+    type: Literal["image"] = "image"
+    source: str = Field(min_length=1)
+
+
+class VideoPart(_Part):
+    type: Literal["video"] = "video"
+    source: str = Field(min_length=1)
+    fps: float | None = Field(None, gt=0, le=60)
+    max_frames: int | None = Field(None, ge=2, le=4096)
+
+
+Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+def _source_of(raw: dict[str, Any], kind: str) -> Any:
+    """The media source of a HF or OpenAI part, whichever key carries it."""
+    for key in ("source", kind, f"{kind}_url", "url", "path"):
+        value = raw.get(key)
+        if isinstance(value, dict):  # OpenAI: {"image_url": {"url": ...}}
+            value = value.get("url")
+        if value:
+            return value
+    return None
+
+
+def normalise_part(raw: Any) -> dict[str, Any]:
+    """Map one HF or OpenAI content part onto the canonical part shape."""
+    if isinstance(raw, str):
+        return {"type": "text", "text": raw}
+    if not isinstance(raw, dict):
+        raise ValueError("a content part must be an object or a string")
+    kind = raw.get("type")
+    if kind in ("text", "input_text"):
+        return {"type": "text", "text": raw.get("text")}
+    if kind in ("image", "image_url", "input_image"):
+        return {"type": "image", "source": _source_of(raw, "image")}
+    if kind in ("video", "video_url", "input_video"):
+        part: dict[str, Any] = {"type": "video", "source": _source_of(raw, "video")}
+        for key in ("fps", "max_frames"):
+            if raw.get(key) is not None:
+                part[key] = raw[key]
+        return part
+    raise ValueError(f"unknown content part type {str(kind)[:40]!r}")
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: list[Part]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _normalise_content(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if isinstance(value, list):
+            return [normalise_part(part) for part in value]
+        raise ValueError("content must be a string or a list of parts")
+
+
+class GenerationParams(BaseModel):
+    """Per-request generation settings; ``None`` means the worker's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=5)
+    top_p: float | None = Field(None, gt=0, le=1)
+    do_sample: bool | None = None
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else (value or [])
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @property
+    def sampling(self) -> bool:
+        """Sample when asked, or when a positive temperature implies it."""
+        if self.do_sample is not None:
+            return self.do_sample
+        return bool(self.temperature)
+
+
+GENERATION_FIELDS = tuple(GenerationParams.model_fields)
+
+
+class Request(BaseModel):
+    """One conversation to run; the unit of queueing, batching and results."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(default_factory=new_task_id, min_length=1, max_length=128)
+    custom_id: str | None = Field(None, max_length=512)
+    job_id: str | None = Field(None, max_length=128)
+    messages: list[Message] = Field(min_length=1)
+    generation: GenerationParams = Field(default_factory=GenerationParams)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_generation_fields(cls, data: Any) -> Any:
+        """Accept generation fields at the top level, as bulk JSONL lines do."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        generation = dict(data.get("generation") or {})
+        if "max_tokens" in data and "max_new_tokens" not in data:
+            data["max_new_tokens"] = data.pop("max_tokens")
+        for key in GENERATION_FIELDS:
+            if key in data:
+                generation[key] = data.pop(key)
+        data["generation"] = generation
+        return data
+
+    @model_validator(mode="after")
+    def _has_user_turn(self) -> Request:
+        if not any(m.role == "user" for m in self.messages):
+            raise ValueError("a conversation needs at least one user message")
+        return self
+
+    @property
+    def modality(self) -> Modality:
+        """``video`` if any video, else ``image`` if any image, else ``text``."""
+        kinds = {part.type for message in self.messages for part in message.content}
+        if "video" in kinds:
+            return Modality.VIDEO
+        if "image" in kinds:
+            return Modality.IMAGE
+        return Modality.TEXT
+
+    def parts(self, kind: str) -> list[Any]:
+        return [p for m in self.messages for p in m.content if p.type == kind]
+
+    def resolve_local_paths(self, base: Path) -> Request:
+        """A copy whose relative local media paths are made absolute under ``base``.
+
+        Workers accept only absolute local paths (a relative path means nothing
+        on another machine); entry points that read a file resolve against it.
+        """
+        messages = [
+            message.model_copy(update={"content": [_resolved(p, base) for p in message.content]})
+            for message in self.messages
+        ]
+        return self.model_copy(update={"messages": messages})
+
+
+def _resolved(part: Any, base: Path) -> Any:
+    source = getattr(part, "source", None)
+    if source is None or "://" in source or source.startswith(("data:", "/")):
+        return part
+    return part.model_copy(update={"source": str((base / source).resolve())})
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Result(BaseModel):
+    """Exactly one per request: an output, or an error with a stable code."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    custom_id: str | None = None
+    job_id: str | None = None
+    status: Literal["succeeded", "failed"]
+    model: str | None = None
+    modality: Modality | None = None
+    output: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage = Field(default_factory=Usage)
+    error: dict[str, Any] | None = None
+    batch_id: str | None = None
+    batch_size: int | None = None
+    padding_ratio: float | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    worker: str | None = None

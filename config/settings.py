@@ -1,0 +1,139 @@
+"""Typed settings for every vlmq process.
+
+Read once at an entry point (``Settings()`` reads ``VLMQ_*`` environment
+variables and an optional ``.env``), then passed in. Nothing reads settings at
+import time. Nested fields use ``__``: ``VLMQ_MEDIA__VIDEO_FPS=1``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "BatchPolicy",
+    "EngineSettings",
+    "FaultInjection",
+    "FleetSettings",
+    "MediaSettings",
+    "Settings",
+]
+
+MiB = 1024 * 1024
+
+
+class MediaSettings(BaseModel):
+    """Where media may come from and how much of it a request may carry."""
+
+    # Remote http(s) fetching is off unless hosts are listed (exact match).
+    allowed_hosts: list[str] = Field(default_factory=list)
+    # Local paths / file:// only under these roots (after resolving symlinks).
+    local_roots: list[str] = Field(default_factory=list)
+    # s3:// only for these buckets.
+    allowed_buckets: list[str] = Field(default_factory=list)
+    max_redirects: int = Field(0, ge=0, le=3)
+    max_image_bytes: int = 20 * MiB
+    max_video_bytes: int = 256 * MiB
+    image_fetch_timeout_s: float = 10.0
+    video_fetch_timeout_s: float = 30.0
+    max_image_pixels: int = 40_000_000
+    image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF"])
+    video_formats: list[str] = Field(
+        default_factory=lambda: ["mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi", "gif"]
+    )
+    video_fps: float = Field(2.0, gt=0)
+    video_max_frames: int = Field(16, ge=2)
+    video_max_duration_s: float = 3600.0
+    video_max_pixels_per_frame: int = 8_294_400  # 3840 x 2160
+    max_images_per_request: int = 16
+    max_videos_per_request: int = 2
+    # Most frames one video may cost to decode (each seek decodes from the
+    # previous keyframe; unindexed files are decoded in order), so a long GOP or
+    # an unindexed file cannot burn unbounded CPU. 4096 covers 16 samples of
+    # x264's default 250-frame GOP; raise it with video_max_frames.
+    video_max_decoded_frames: int = Field(4096, ge=2)
+    # Testing only: let http(s) fetches reach loopback/private/link-local
+    # addresses (a local test server). Never enable in production: it turns the
+    # host allowlist into the only SSRF guard.
+    allow_private_addresses: bool = False
+
+
+class FaultInjection(BaseModel):
+    """Testing only: deterministic faults, so the GPU failure paths run on CPU."""
+
+    # Raise an out-of-memory error for any micro-batch larger than this.
+    oom_above_batch: int | None = None
+    # Raise inside generate for any micro-batch holding a request whose text
+    # contains this marker (a "poison" request for bisection tests).
+    poison_marker: str | None = None
+
+
+class EngineSettings(BaseModel):
+    """How the model is loaded and how batches are cut."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    attn_implementation: str = "auto"  # auto (flash_attention_2 if importable, else sdpa)
+    max_new_tokens_default: int = Field(128, ge=1)
+    max_new_tokens_cap: int = Field(2048, ge=1)
+    max_batch_size: int = Field(32, ge=1)
+    # Padded tokens (prompt incl. visual tokens, plus new tokens) per micro-batch.
+    token_budget: int = Field(32768, ge=1)
+    torch_threads: int | None = None
+    # Benchmarks only: force fixed output lengths (min_new_tokens = max_new_tokens)
+    # so random-weight checkpoints that emit EOS early still do comparable work.
+    fixed_output_length: bool = False
+    faults: FaultInjection = Field(default_factory=FaultInjection)
+
+
+class BatchPolicy(BaseModel):
+    """How a worker pulls one modality class from the queue."""
+
+    max_batch_size: int = Field(ge=1)
+    max_wait_s: float = Field(ge=0)
+    token_budget: int = Field(ge=1)
+
+
+class FleetSettings(BaseModel):
+    """Queue semantics of the fleet (see docs/design.md for how they relate)."""
+
+    key_prefix: str = "vlmq"
+    # A worker holds each pulled message under a lease it renews every lease_s/3;
+    # a dead worker's messages are put back by any worker's reaper within about
+    # lease_s + reap_interval_s.
+    lease_s: float = Field(30.0, gt=1)
+    reap_interval_s: float = Field(5.0, gt=0)
+    # Delivered this many times without finishing: dead-lettered, not run again.
+    max_deliveries: int = Field(3, ge=1)
+    # A batch running longer than this is stuck: the worker exits and its
+    # messages are redelivered.
+    batch_time_limit_s: float = Field(900.0, gt=0)
+    upload_threads: int = Field(8, ge=1)
+    redis_socket_timeout_s: float = 10.0
+    task_ttl_s: int = 7 * 86400
+
+
+def _default_policies() -> dict[str, BatchPolicy]:
+    return {
+        "text": BatchPolicy(max_batch_size=32, max_wait_s=0.05, token_budget=65536),
+        "image": BatchPolicy(max_batch_size=16, max_wait_s=0.1, token_budget=32768),
+        "video": BatchPolicy(max_batch_size=4, max_wait_s=0.2, token_budget=32768),
+    }
+
+
+class Settings(BaseSettings):
+    """Everything a vlmq process needs; construct at an entry point, pass in."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="VLMQ_", env_nested_delimiter="__", env_file=".env", extra="ignore"
+    )
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    results_url: str = "file://./.vlmq/results"
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+    model: str = ".vlmq/models/tiny-qwen2_5_vl"
+    media: MediaSettings = Field(default_factory=MediaSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    batch: dict[str, BatchPolicy] = Field(default_factory=_default_policies)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)

@@ -1,0 +1,89 @@
+"""Task states and the Redis key layout, in one place.
+
+State moves only forward::
+
+    queued ──> running ──> succeeded | failed | cancelled | expired
+       └───────────────────────────> cancelled | expired
+
+A redelivered task may go ``running`` again; a terminal state never changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["TERMINAL", "Keys", "TaskState"]
+
+
+class TaskState(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    UNKNOWN = "unknown"  # reported for ids Redis has never seen (never "pending")
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset(
+    {TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED}
+)
+COUNTED = (
+    TaskState.QUEUED,
+    TaskState.RUNNING,
+    TaskState.SUCCEEDED,
+    TaskState.FAILED,
+    TaskState.CANCELLED,
+    TaskState.EXPIRED,
+)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key vlmq writes, derived from one prefix.
+
+    Queue lists use the plain queue names so that Celery's kombu transport
+    and vlmq share them (``send_task(..., queue="vlmq.image")`` lands in the
+    list ``vlmq.image``).
+    """
+
+    prefix: str = "vlmq"
+
+    def queue(self, modality: str, lane: str = "bulk") -> str:
+        base = f"{self.prefix}.{modality}"
+        return base if lane == "bulk" else f"{base}.{lane}"
+
+    def task(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{task_id}"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def job_tasks(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:tasks"
+
+    def job_custom_ids(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:custom_ids"
+
+    def inflight(self) -> str:
+        """Hash task id -> raw message of every message a worker holds."""
+        return f"{self.prefix}:inflight"
+
+    def leases(self) -> str:
+        """Sorted set task id -> lease deadline (unix seconds)."""
+        return f"{self.prefix}:leases"
+
+    def lease_queue(self) -> str:
+        """Hash task id -> queue the message came from (for redelivery)."""
+        return f"{self.prefix}:inflight:queue"
+
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead"
+
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"

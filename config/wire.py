@@ -1,0 +1,162 @@
+"""Celery protocol-2 messages on kombu's Redis transport, as JSON.
+
+vlmq enqueues messages that a stock Celery producer would have written, so a
+web app that already uses Celery can enqueue with a plain::
+
+    app.send_task("vlmq.generate", kwargs={"request": {...}}, queue="vlmq.image")
+
+and vlmq's own producers push the very same bytes in a Redis pipeline
+(no per-task round trip). Only JSON is ever accepted on the wire.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+__all__ = [
+    "PRIORITY_STEPS",
+    "TASK_NAME",
+    "TaskMessage",
+    "WireError",
+    "decode_message",
+    "encode_message",
+    "priority_lists",
+]
+
+TASK_NAME = "vlmq.generate"
+# kombu's Redis transport keeps one list per priority step; 0 is served first.
+PRIORITY_STEPS = (0, 3, 6, 9)
+_PRIORITY_SEP = "\x06\x16"
+
+
+class WireError(ValueError):
+    """A message that is not a JSON Celery protocol-2 vlmq task."""
+
+
+@dataclass(frozen=True)
+class TaskMessage:
+    task_id: str
+    task_name: str
+    request: dict[str, Any]
+    expires: datetime | None
+    priority: int
+    raw: str
+
+
+def priority_lists(queue: str) -> list[str]:
+    """The Redis lists behind one queue, highest priority first."""
+    return [queue if step == 0 else f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+
+
+def list_for_priority(queue: str, priority: int) -> str:
+    step = max(s for s in PRIORITY_STEPS if s <= max(0, min(priority, 9)))
+    return priority_lists(queue)[PRIORITY_STEPS.index(step)]
+
+
+_ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
+
+
+def encode_message(
+    request: dict[str, Any],
+    task_id: str,
+    queue: str,
+    priority: int = 0,
+    expires: datetime | None = None,
+) -> str:
+    """A Celery protocol-2 message body as kombu's Redis transport stores it."""
+    body = json.dumps([[], {"request": request}, _EMBED], separators=(",", ":"))
+    headers = {
+        "lang": "py",
+        "task": TASK_NAME,
+        "id": task_id,
+        "shadow": None,
+        "eta": None,
+        "expires": expires.isoformat() if expires else None,
+        "group": None,
+        "group_index": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "root_id": task_id,
+        "parent_id": None,
+        "argsrepr": "",
+        "kwargsrepr": "",
+        "origin": _ORIGIN,
+        "ignore_result": True,
+    }
+    properties = {
+        "correlation_id": task_id,
+        "reply_to": "",
+        "delivery_mode": 2,
+        "delivery_info": {"exchange": "", "routing_key": queue},
+        "priority": priority,
+        "body_encoding": "base64",
+        "delivery_tag": uuid.uuid4().hex,
+    }
+    message = {
+        "body": base64.b64encode(body.encode()).decode(),
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": headers,
+        "properties": properties,
+    }
+    return json.dumps(message, separators=(",", ":"))
+
+
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+def _parse_expires(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(str(value))
+    except ValueError as exc:
+        raise WireError("expires: not an ISO 8601 time") from exc
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _body(message: dict[str, Any]) -> Any:
+    if message.get("content-type") != "application/json":
+        raise WireError("only application/json messages are accepted")
+    body = message.get("body", "")
+    if message.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    return json.loads(body)
+
+
+def _request_of(body: Any) -> dict[str, Any]:
+    if not (isinstance(body, list) and len(body) >= 2):
+        raise WireError("body is not a Celery protocol-2 [args, kwargs, embed] triple")
+    args, kwargs = body[0], body[1]
+    request = kwargs.get("request") if isinstance(kwargs, dict) else None
+    if request is None and isinstance(args, list) and args:
+        request = args[0]
+    if not isinstance(request, dict):
+        raise WireError("the task takes one argument: request (an object)")
+    return request
+
+
+def decode_message(raw: str | bytes) -> TaskMessage:
+    """Parse a raw list entry; never unpickles anything."""
+    try:
+        message = json.loads(raw)
+        headers = message["headers"]
+        task_id = str(headers["id"])
+        body = _body(message)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError("not a JSON Celery protocol-2 message") from exc
+    return TaskMessage(
+        task_id=task_id,
+        task_name=str(headers.get("task", "")),
+        request=_request_of(body),
+        expires=_parse_expires(headers.get("expires")),
+        priority=int(message.get("properties", {}).get("priority") or 0),
+        raw=raw if isinstance(raw, str) else raw.decode(),
+    )

@@ -1,0 +1,216 @@
+"""The producer client: validate, enqueue (pipelined), read status and results.
+
+Never imports torch. Every message it writes is a Celery protocol-2 JSON
+message in the modality class's queue, the same bytes ``send_task`` writes.
+
+>>> client = Client(Settings())
+>>> task_id = client.submit([{"role": "user", "content": "hi"}], max_new_tokens=16)
+>>> client.result(task_id, wait=60)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timedelta, timezone
+from itertools import islice
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from config.errors import InvalidRequest
+from config.jsonl import describe_validation_error
+from config.results import ResultStore, open_store
+from config.schemas import Request
+from config.settings import Settings
+from config.status import Keys, TaskState
+from config.statusdb import StatusDB
+from config.wire import encode_message, list_for_priority
+
+__all__ = ["LANES", "Client"]
+
+LANES = {"bulk": 0, "interactive": 0}
+
+
+def as_request(item: Any, **overrides: Any) -> Request:
+    """A Request from a Request, a conversation list or a request dict; raises
+    InvalidRequest naming the offending field."""
+    if isinstance(item, Request):
+        return item.model_copy(update=overrides) if overrides else item
+    fields = {"messages": item} if isinstance(item, list) else dict(item)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Request.model_validate(fields)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+
+
+class Client:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis | None = None,
+        store: ResultStore | None = None,
+    ) -> None:
+        self.settings = settings
+        self.redis = client or redis.Redis.from_url(settings.redis_url)
+        self.keys = Keys(settings.fleet.key_prefix)
+        self.status_db = StatusDB(self.redis, self.keys, ttl_s=settings.fleet.task_ttl_s)
+        self._store = store
+
+    @property
+    def store(self) -> ResultStore:
+        if self._store is None:
+            s = self.settings
+            self._store = open_store(s.results_url, s.s3_endpoint_url, s.s3_region)
+        return self._store
+
+    # enqueue -------------------------------------------------------------
+    def _enqueue(
+        self,
+        pipe: Any,
+        request: Request,
+        lane: str = "bulk",
+        expires: datetime | None = None,
+    ) -> None:
+        queue = self.keys.queue(request.modality.value, lane)
+        fields = {
+            "job_id": request.job_id,
+            "custom_id": request.custom_id,
+            "modality": request.modality.value,
+            "queue": queue,
+            "expires_at": f"{expires.timestamp():.3f}" if expires else None,
+        }
+        self.status_db.add_queued(pipe, request.id, fields)
+        wire = request.model_dump(mode="json", exclude_none=True)
+        message = encode_message(wire, request.id, queue, expires=expires)
+        pipe.lpush(list_for_priority(queue, 0), message)
+
+    def submit(
+        self,
+        conversation: Any,
+        *,
+        lane: str = "interactive",
+        expires_in_s: float | None = None,
+        **fields: Any,
+    ) -> str:
+        """Validate and enqueue one conversation; returns its task id."""
+        request = as_request(conversation, **fields)
+        expires = _expiry(expires_in_s)
+        pipe = self.redis.pipeline(transaction=True)
+        self._enqueue(pipe, request, lane, expires)
+        pipe.execute()
+        return request.id
+
+    def submit_many(
+        self,
+        items: Iterable[Any],
+        job_id: str | None = None,
+        *,
+        lane: str = "bulk",
+        expires_in_s: float | None = None,
+        chunk: int = 2000,
+        name: str | None = None,
+    ) -> str:
+        """Validate all, then enqueue in pipelined chunks; returns the job id.
+
+        Every item is validated before anything is enqueued, so a bad item
+        raises InvalidRequest (naming the item and field) and enqueues nothing.
+        """
+        job_id = job_id or uuid.uuid4().hex
+        requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
+        self.create_job(job_id, name=name, expires_in_s=expires_in_s)
+        expires = _expiry(expires_in_s)
+        for batch in _chunked(iter(requests), chunk):
+            pipe = self.redis.pipeline(transaction=False)
+            for request in batch:
+                self._enqueue(pipe, request, lane, expires)
+            pipe.rpush(self.keys.job_tasks(job_id), *[r.id for r in batch])
+            pipe.execute()
+        return job_id
+
+    def create_job(
+        self, job_id: str, name: str | None = None, expires_in_s: float | None = None
+    ) -> None:
+        fields = {"job_id": job_id, "created_at": f"{time.time():.6f}", "name": name or ""}
+        if expires_in_s:
+            fields["expires_at"] = f"{time.time() + expires_in_s:.3f}"
+        self.redis.hsetnx(self.keys.job(job_id), "created_at", fields["created_at"])
+        self.redis.hset(
+            self.keys.job(job_id), mapping={k: v for k, v in fields.items() if k != "created_at"}
+        )
+
+    # status ----------------------------------------------------------------
+    def status(self, task_or_job_id: str) -> dict[str, Any]:
+        if self.redis.exists(self.keys.job(task_or_job_id)):
+            return {"kind": "job", **self.status_db.job(task_or_job_id)}
+        return {"kind": "task", "id": task_or_job_id, **self.status_db.task(task_or_job_id)}
+
+    def statuses(self, task_ids: list[str]) -> list[TaskState]:
+        return self.status_db.states(task_ids)
+
+    def job_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
+        start = 0
+        while True:
+            ids: list[bytes] = self.redis.lrange(  # type: ignore[assignment]
+                self.keys.job_tasks(job_id), start, start + page - 1
+            )
+            if not ids:
+                return
+            yield from (i.decode() for i in ids)
+            start += page
+
+    # results ---------------------------------------------------------------
+    def result(self, task_id: str, wait: float | None = None, poll_s: float = 0.1) -> Any:
+        """The stored result object, waiting up to ``wait`` seconds for it."""
+        deadline = time.monotonic() + (wait or 0)
+        while True:
+            status = self.status_db.task(task_id)
+            if status.get("state") in {s.value for s in TaskState if s.terminal}:
+                url = status.get("result_url")
+                return self.store.get(url) if url else {"id": task_id, **status}
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
+
+    # cancel ----------------------------------------------------------------
+    def cancel(self, task_or_job_id: str) -> int:
+        """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
+        if self.redis.exists(self.keys.job(task_or_job_id)):
+            ids: Iterable[str] = self.job_task_ids(task_or_job_id)
+        else:
+            ids = [task_or_job_id]
+        cancelled = 0
+        fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
+        for batch in _chunked(iter(ids), 1000):
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in batch:
+                self.status_db.transition(
+                    task_id,
+                    TaskState.CANCELLED,
+                    fields,
+                    client=pipe,
+                    only_from=[TaskState.QUEUED],
+                )
+            cancelled += sum(1 for _, moved in pipe.execute() if int(moved))
+        return cancelled
+
+
+def _validated(item: Any, index: int, job_id: str) -> Request:
+    try:
+        return as_request(item, job_id=job_id)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"item {index}: {exc.message}") from None
+
+
+def _expiry(expires_in_s: float | None) -> datetime | None:
+    if not expires_in_s:
+        return None
+    return datetime.now(timezone.utc) + timedelta(seconds=expires_in_s)
+
+
+def _chunked(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    while chunk := list(islice(items, size)):
+        yield chunk

@@ -1,0 +1,274 @@
+"""The batch loop against a real Redis and moto's S3 server, with a recording engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import ClassVar
+
+import pytest
+from celery import Celery
+
+from config.results import open_store
+from config.schemas import Request, Result
+from config.settings import BatchPolicy, Settings
+from config.status import Keys, TaskState
+from config.wire import decode_message
+from producers.client import Client
+from tests.support.services import wait_until
+from workers.fleet.loop import BatchLoop, LoopConfig
+from workers.intake import Intake
+
+
+class RecordingEngine:
+    """Answers every request; remembers what ran; can be told to fail."""
+
+    model_name = "recording"
+
+    def __init__(self, fail: bool = False, delay_s: float = 0.0) -> None:
+        self.fail = fail
+        self.delay_s = delay_s
+        self.ran: list[str] = []
+        self.batches: list[int] = []
+
+    def run(self, requests, worker=None):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.batches.append(len(requests))
+        self.ran += [r.id for r in requests]
+        if self.fail:
+            raise RuntimeError("boom")
+        return [
+            Result(
+                id=r.id,
+                custom_id=r.custom_id,
+                job_id=r.job_id,
+                status="succeeded",
+                model="recording",
+                modality=r.modality,
+                output=f"echo:{r.custom_id}",
+                batch_size=len(requests),
+                worker=worker,
+            )
+            for r in requests
+        ]
+
+
+def _conversation(kind: str, n: int):
+    if kind == "text":
+        return [{"role": "user", "content": f"question {n}"}]
+    part = {"type": kind, kind: f"/media/{n}.{'png' if kind == 'image' else 'mp4'}"}
+    return [{"role": "user", "content": [part, {"type": "text", "text": f"q{n}"}]}]
+
+
+@pytest.fixture
+def settings(redis_server, moto_server, request):
+    bucket = f"results-{abs(hash(request.node.name)) % 10**8}"
+    moto_server.s3().create_bucket(Bucket=bucket)
+    return Settings(
+        redis_url=redis_server.url,
+        results_url=f"s3://{bucket}/runs",
+        s3_endpoint_url=moto_server.endpoint,
+        batch={
+            m: BatchPolicy(max_batch_size=8, max_wait_s=0.02, token_budget=10**6)
+            for m in ("text", "image", "video")
+        },
+    )
+
+
+def _loop(settings, engine, modalities=("text", "image", "video"), **config):
+    store = open_store(settings.results_url, settings.s3_endpoint_url)
+    cfg = LoopConfig(modalities=list(modalities), policies=settings.batch, worker="w1", **config)
+    return BatchLoop(cfg, engine, settings_client(settings), store)
+
+
+def settings_client(settings):
+    import redis
+
+    return redis.Redis.from_url(settings.redis_url)
+
+
+class Running:
+    def __init__(self, loop):
+        self.loop = loop
+        self.thread = threading.Thread(target=loop.run_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self.loop
+
+    def __exit__(self, *exc):
+        self.loop.stop()
+        self.thread.join(10)
+        self.loop.shutdown(10)
+
+
+def _job_done(client, job_id):
+    return client.status(job_id)["finished"]
+
+
+def test_mixed_job_end_to_end_through_s3(settings):
+    client = Client(settings)
+    items = [
+        {"messages": _conversation(kind, n), "custom_id": f"{kind}-{n}"}
+        for kind in ("text", "image", "video")
+        for n in range(10)
+    ]
+    job = client.submit_many(items)
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: _job_done(client, job), timeout=30, what="job")
+    status = client.status(job)
+    assert status["total"] == 30
+    assert status["counts"]["succeeded"] == 30
+    assert status["counts"]["queued"] == status["counts"]["running"] == 0
+    keys = client.store.keys(job)
+    assert len(keys) == 30
+    ids = list(client.job_task_ids(job))
+    record = client.result(ids[0])
+    assert record["status"] == "succeeded" and record["output"].startswith("echo:")
+    assert {"queued_at", "finished_at"} <= set(record["timings"])
+    assert sorted(engine.ran) == sorted(ids)  # each ran exactly once
+    assert max(engine.batches) <= 8
+
+
+def test_routing_keeps_classes_apart(settings):
+    client = Client(settings)
+    video = client.submit(_conversation("video", 1))
+    text = client.submit(_conversation("text", 1))
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine, modalities=("text",))):
+        wait_until(lambda: client.status(text)["state"] == "succeeded", what="text task")
+    assert client.status(video)["state"] == "queued"
+    assert video not in engine.ran
+    assert client.redis.llen(Keys().queue("video", "interactive")) == 1
+
+
+def test_a_raising_batch_fails_each_request_and_acks(settings):
+    client = Client(settings)
+    job = client.submit_many([_conversation("text", n) for n in range(12)])
+    with Running(_loop(settings, RecordingEngine(fail=True))):
+        wait_until(lambda: _job_done(client, job), what="job")
+    status = client.status(job)
+    assert status["counts"]["failed"] == 12
+    record = client.result(next(client.job_task_ids(job)))
+    assert record["error"]["code"] == "internal_error"
+    assert "boom" not in json.dumps(record)
+    assert client.redis.hlen(Keys().inflight()) == 0
+
+
+def test_cancelled_and_expired_tasks_never_run(settings):
+    client = Client(settings)
+    job = client.submit_many([_conversation("text", n) for n in range(10)])
+    ids = list(client.job_task_ids(job))
+    assert client.cancel(ids[0]) == 1
+    expired = client.submit(_conversation("text", 99), expires_in_s=0.001)
+    assert client.cancel(job) == 9
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: client.status(expired)["state"] == "expired", what="expiry")
+        wait_until(lambda: client.redis.llen("vlmq.text") == 0, what="queue drained")
+    assert engine.ran == []
+    assert client.status(job)["counts"]["cancelled"] == 10
+    assert client.cancel(ids[0]) == 0  # already terminal
+
+
+def test_duplicate_publication_gives_one_result(settings):
+    client = Client(settings)
+    task = client.submit(_conversation("text", 1), lane="bulk")
+    raw = client.redis.lindex("vlmq.text", 0)
+    client.redis.lpush("vlmq.text", raw, raw)  # delivered three times in all
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: client.redis.llen("vlmq.text") == 0, what="drain")
+        wait_until(lambda: client.redis.hlen(Keys().inflight()) == 0, what="acks")
+    assert engine.ran == [task]
+    assert client.status(task)["state"] == "succeeded"
+    assert len(client.store.keys("_tasks")) == 1
+
+
+def test_plain_celery_send_task_is_served(settings):
+    app = Celery(broker=settings.redis_url)
+    app.conf.update(task_serializer="json", accept_content=["json"])
+    request = {"messages": _conversation("image", 5), "custom_id": "from-celery"}
+    sent = app.send_task("vlmq.generate", kwargs={"request": request}, queue="vlmq.image")
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(
+            lambda: Client(settings).status(sent.id)["state"] == "succeeded", what="celery task"
+        )
+    assert engine.ran == [sent.id]
+    record = Client(settings).result(sent.id)
+    assert record["custom_id"] == "from-celery"
+
+
+def test_our_messages_are_valid_celery_messages(settings):
+    client = Client(settings)
+    client.submit(_conversation("text", 1), custom_id="x", lane="bulk")
+    raw = client.redis.lindex("vlmq.text", 0)
+    message = decode_message(raw)
+    assert message.task_name == "vlmq.generate"
+    assert Request.model_validate(message.request).custom_id == "x"
+    # kombu itself can decode the envelope and body
+    from kombu.transport.virtual import Message as KombuMessage
+
+    class _Channel:
+        codecs: ClassVar[dict] = {}
+
+        @staticmethod
+        def decode_body(body, encoding):
+            import base64
+
+            return base64.b64decode(body)
+
+    parsed = KombuMessage(json.loads(raw), channel=_Channel())
+    assert parsed.headers["task"] == "vlmq.generate"
+    assert parsed.decode()[1]["request"]["custom_id"] == "x"
+
+
+def test_unacked_messages_of_a_dead_worker_come_back_then_dead_letter(settings):
+    client = Client(settings)
+    task = client.submit(_conversation("text", 1), lane="bulk")
+    intake = Intake(client.redis, ["vlmq.text"])
+    for delivery in (1, 2, 3):  # three workers "die" holding it
+        got = wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
+        assert [d.deliveries for d in got] == [delivery]
+        assert intake.reap(time.time()) == 1
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: client.status(task)["state"] == "failed", what="dead letter")
+    assert engine.ran == []
+    assert client.status(task)["error_code"] == "dead_lettered"
+    dead = json.loads(client.redis.lindex(Keys().dead_letters(), 0))
+    assert dead["task_id"] == task and "3 times" in dead["reason"]
+
+
+def test_redelivered_requests_run_alone(settings):
+    client = Client(settings)
+    job = client.submit_many([_conversation("text", n) for n in range(6)])
+    intake = Intake(client.redis, ["vlmq.text"])
+    intake.pull(3, time.time() - 1)
+    intake.reap(time.time())  # three were delivered once before, to a dead worker
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: _job_done(client, job), what="job")
+    assert sorted(engine.batches) == [1, 1, 1, 3]
+
+
+def test_unknown_ids_are_unknown(settings):
+    client = Client(settings)
+    assert client.status("no-such-id")["state"] == TaskState.UNKNOWN.value
+    assert client.statuses(["a", "b"]) == [TaskState.UNKNOWN, TaskState.UNKNOWN]
+
+
+def test_validation_errors_name_the_field_and_enqueue_nothing(settings):
+    from config.errors import InvalidRequest
+
+    client = Client(settings)
+    good = {"messages": _conversation("text", 1)}
+    bad = {"messages": [{"role": "user", "content": [{"type": "image"}]}]}
+    with pytest.raises(InvalidRequest) as info:
+        client.submit_many([good, bad])
+    assert "item 1" in info.value.message and "messages" in info.value.message
+    assert client.redis.llen("vlmq.text") == 0

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import json
+
+from config.jsonl import read_requests
+
+
+def _lines(*objs):
+    return [o if isinstance(o, str) else json.dumps(o) for o in objs]
+
+
+def test_both_formats_are_detected_per_line():
+    parsed = list(
+        read_requests(
+            _lines(
+                {
+                    "custom_id": "a",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_new_tokens": 4,
+                },
+                {
+                    "custom_id": "b",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": "yo"}],
+                        "max_tokens": 9,
+                        "temperature": 0,
+                    },
+                },
+            )
+        )
+    )
+    assert [p.request.custom_id for p in parsed] == ["a", "b"]
+    assert parsed[1].request.generation.max_new_tokens == 9
+
+
+def test_bad_lines_become_error_records_and_the_rest_goes_on():
+    parsed = list(
+        read_requests(
+            _lines(
+                "{not json",
+                {"custom_id": "x", "messages": []},
+                {"custom_id": "y", "url": "/v1/embeddings", "body": {}},
+                "[1, 2]",
+                {"custom_id": "ok", "messages": [{"role": "user", "content": "fine"}]},
+            )
+        )
+    )
+    errors = [p.error for p in parsed if p.error]
+    assert [e.line for e in errors] == [1, 2, 3, 4]
+    assert "not valid JSON" in errors[0].message
+    assert errors[1].custom_id == "x" and errors[1].message.startswith("messages")
+    assert "only /v1/chat/completions" in errors[2].message
+    assert parsed[-1].request.custom_id == "ok"
+
+
+def test_duplicate_custom_ids_are_rejected():
+    line = {"custom_id": "same", "messages": [{"role": "user", "content": "hi"}]}
+    parsed = list(read_requests(_lines(line, line)))
+    assert parsed[0].request is not None
+    assert parsed[1].error.code == "duplicate_custom_id"
+
+
+def test_blank_lines_are_skipped_and_line_numbers_kept():
+    line = {"messages": [{"role": "user", "content": "hi"}]}
+    parsed = list(read_requests(["", json.dumps(line), "  "]))
+    assert [p.line for p in parsed] == [2]

@@ -1,0 +1,223 @@
+"""Worker-side commands: build tiny checkpoints, run a JSONL file in-process."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import click
+
+from config.jsonl import ParsedLine, read_requests
+from config.settings import Settings
+
+__all__ = ["build_tiny_model", "run"]
+
+
+@click.command("build-tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--family",
+    type=click.Choice(["qwen2_5_vl", "qwen3_vl", "internvl"]),
+    default="qwen2_5_vl",
+    show_default=True,
+)
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small", "real"]),
+    default="tiny",
+    show_default=True,
+    help="tiny: hidden 64; small: hidden 512 x 4 layers.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+def build_tiny_model(directory: Path, family: str, size: str, seed: int) -> None:
+    """Build a deterministic random-weight checkpoint of a real VLM architecture, offline."""
+    from workers.tiny import build_tiny_model as build
+
+    started = time.perf_counter()
+    path = build(directory, family=family, size=size, seed=seed)
+    click.echo(f"built {family} ({size}) in {path} in {time.perf_counter() - started:.1f}s")
+
+
+def _chunks(parsed: Iterator[ParsedLine], size: int) -> Iterator[list[ParsedLine]]:
+    chunk: list[ParsedLine] = []
+    for item in parsed:
+        chunk.append(item)
+        if sum(1 for p in chunk if p.request) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _output_record(parsed: ParsedLine, result: Any) -> dict[str, Any]:
+    if parsed.error is not None:
+        return parsed.error.to_record()
+    record: dict[str, Any] = result.model_dump(mode="json", exclude_none=True)
+    record["line"] = parsed.line
+    return record
+
+
+def _write_chunk(engine: Any, chunk: list[ParsedLine], out: IO[str], base: Path) -> tuple[int, int]:
+    requests = [p.request.resolve_local_paths(base) for p in chunk if p.request is not None]
+    results = iter(engine.run(requests))
+    ok = failed = 0
+    for parsed in chunk:
+        record = _output_record(parsed, None if parsed.request is None else next(results))
+        ok += record["status"] == "succeeded"
+        failed += record["status"] != "succeeded"
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()
+    return ok, failed
+
+
+@click.command("run")
+@click.argument(
+    "input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path)
+)
+@click.option(
+    "-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path)
+)
+@click.option("--model", default=None, help="Model directory or Hugging Face id [VLMQ_MODEL].")
+@click.option("--max-batch-size", type=int, default=None, help="Rows per micro-batch.")
+@click.option("--token-budget", type=int, default=None, help="Padded tokens per micro-batch.")
+@click.option(
+    "--chunk-size",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Requests read ahead and batched together.",
+)
+def run(
+    input_path: Path,
+    output_path: Path,
+    model: str | None,
+    max_batch_size: int | None,
+    token_budget: int | None,
+    chunk_size: int,
+) -> None:
+    """Run a JSONL file through the engine in-process (no Redis, no S3), like vllm run-batch.
+
+    Each output line carries custom_id, status, output or error, and usage. A bad
+    input line becomes an error record; the run goes on.
+    """
+    from workers.engine import Engine
+
+    settings = Settings()
+    engine_settings = settings.engine.model_copy(
+        update={
+            k: v
+            for k, v in {"max_batch_size": max_batch_size, "token_budget": token_budget}.items()
+            if v is not None
+        }
+    )
+    # Local media may be read from the input file's folder and the working directory.
+    roots = [*settings.media.local_roots, str(input_path.resolve().parent), str(Path.cwd())]
+    media = settings.media.model_copy(update={"local_roots": roots})
+    engine = Engine(model or settings.model, engine_settings, media).setup()
+    started = time.perf_counter()
+    ok = failed = 0
+    with input_path.open(encoding="utf-8") as lines, output_path.open("w", encoding="utf-8") as out:
+        for chunk in _chunks(read_requests(lines), chunk_size):
+            done_ok, done_failed = _write_chunk(engine, chunk, out, input_path.resolve().parent)
+            ok, failed = ok + done_ok, failed + done_failed
+            click.echo(f"\r{ok + failed} done ({failed} failed)", nl=False, err=True)
+    engine.close()
+    elapsed = time.perf_counter() - started
+    click.echo(f"\r{ok} succeeded, {failed} failed in {elapsed:.1f}s -> {output_path}", err=True)
+    sys.exit(0)
+
+
+def _engine_for(kind: str, settings: Settings, noop_delay_s: float) -> Any:
+    if kind == "noop":
+        from workers.fleet.noop import NoopEngine
+
+        return NoopEngine(noop_delay_s)
+    from workers.engine import Engine
+
+    return Engine(settings.model, settings.engine, settings.media)
+
+
+@click.command("worker")
+@click.option(
+    "--modality",
+    "-m",
+    default="text,image,video",
+    show_default=True,
+    help="Modality classes to serve: text, image, video or a comma list.",
+)
+@click.option("--model", default=None, help="Model directory or Hugging Face id [VLMQ_MODEL].")
+@click.option("--name", default=None, help="Worker name (default modality@host:pid).")
+@click.option(
+    "--engine",
+    "engine_kind",
+    type=click.Choice(["hf", "noop"]),
+    default="hf",
+    show_default=True,
+    help="noop: no inference (queue benchmarks, fault tests).",
+)
+@click.option("--noop-delay", type=float, default=0.0, help="Seconds a noop batch takes.")
+@click.option(
+    "--celery/--no-celery",
+    default=True,
+    show_default=True,
+    help="Host the loop in a Celery worker (solo pool, events, remote control).",
+)
+def worker(
+    modality: str,
+    model: str | None,
+    name: str | None,
+    engine_kind: str,
+    noop_delay: float,
+    celery: bool,
+) -> None:
+    """Serve modality queues in batches with one model, loaded once, in this process."""
+    from workers.fleet.service import WorkerService
+
+    settings = Settings()
+    if model:
+        settings = settings.model_copy(update={"model": model})
+    modalities = [m.strip() for m in modality.split(",") if m.strip()]
+    unknown = set(modalities) - {"text", "image", "video"}
+    if unknown or not modalities:
+        raise click.BadParameter(f"unknown modality {sorted(unknown)}", param_hint="--modality")
+    service = WorkerService(
+        settings, modalities, _engine_for(engine_kind, settings, noop_delay), name=name
+    ).setup()
+    if celery:
+        _run_in_celery(settings, service)
+    else:
+        _run_plain(service)
+
+
+def _run_in_celery(settings: Settings, service: Any) -> None:
+    from workers.fleet.celery_app import CONTROL_QUEUE, make_app
+
+    app = make_app(settings, service)
+    celery_worker = app.Worker(
+        hostname=service.name.replace(":", "-"),
+        pool_cls="solo",
+        concurrency=1,
+        queues=[CONTROL_QUEUE],
+        without_gossip=True,
+        without_mingle=True,
+        task_events=True,
+        quiet=True,
+    )
+    celery_worker.start()
+    sys.exit(celery_worker.exitcode or 0)
+
+
+def _run_plain(service: Any) -> None:
+    import signal
+
+    def _stop(signum: int, frame: Any) -> None:
+        service.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    service.start()
+    service.wait()

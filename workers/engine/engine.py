@@ -1,0 +1,226 @@
+"""The batch engine: requests in, exactly one result per request out.
+
+decode (fetch + decode media, limits, length estimate) → batch (sort, cut
+under a token budget) → predict (padded generate) → unbatch (one result per
+request, in input order). Failures stay per request: bad media or an over-long
+prompt fails alone; an exception in ``generate`` bisects the micro-batch until
+the culprit is alone; an out-of-memory error halves it and retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from config.errors import GenerationFailed, OutOfMemory, VlmqError
+from config.schemas import Request, Result, Usage
+from config.settings import EngineSettings, MediaSettings
+from workers.engine.batching import plan_micro_batches
+from workers.engine.model import LoadedModel, load_model
+from workers.engine.prepare import Prepared, Preparer, video_frame_counts
+from workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
+from workers.media import MediaLoader
+
+__all__ = ["Engine", "EngineStats", "Outcome"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    """What happened to one request: a completion or an error."""
+
+    prepared: Prepared
+    completion: Completion | None = None
+    error: VlmqError | None = None
+
+
+@dataclass
+class EngineStats:
+    micro_batches: int = 0
+    oom_splits: int = 0
+    bisections: int = 0
+    rows: int = 0
+    real_prompt_tokens: int = 0
+    padded_prompt_tokens: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Owns one loaded model; ``setup()`` loads it, ``run()`` serves batches."""
+
+    def __init__(
+        self,
+        model: str,
+        engine: EngineSettings | None = None,
+        media: MediaSettings | None = None,
+        loader: MediaLoader | None = None,
+    ) -> None:
+        self.model_name = model
+        self.settings = engine or EngineSettings()
+        self.media_settings = media or MediaSettings()
+        self.loader = loader or MediaLoader(self.media_settings)
+        self.loaded: LoadedModel | None = None
+        self.stats = EngineStats()
+        self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
+        self._max_rows = self.settings.max_batch_size
+
+    # lifecycle -------------------------------------------------------------
+    def setup(self) -> Engine:
+        if self.loaded is None:
+            self.loaded = load_model(self.model_name, self.settings)
+            self._runner = BatchRunner(
+                self.loaded, self.settings.faults, self.settings.fixed_output_length
+            )
+            self._preparer = Preparer(
+                self.loaded, self.settings, self.media_settings, self.loader, self._pool
+            )
+        return self
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # serving ---------------------------------------------------------------
+    def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]:
+        return [self.to_result(o, worker) for o in self.run_outcomes(requests)]
+
+    def run_outcomes(self, requests: Sequence[Request]) -> list[Outcome]:
+        if self.loaded is None:
+            raise RuntimeError("Engine.setup() must run before Engine.run()")
+        prepared = self._preparer.prepare_all(list(requests))
+        outcomes = {id(p): Outcome(p, error=p.error) for p in prepared}
+        ready = [p for p in prepared if p.error is None]
+        for micro_batch in self._plan(ready):
+            for item, completion, error in self._run_safely(micro_batch):
+                outcomes[id(item)].completion = completion
+                outcomes[id(item)].error = error
+        return [outcomes[id(p)] for p in prepared]
+
+    def _plan(self, ready: list[Prepared]) -> list[list[Prepared]]:
+        """Micro-batches under the row cap and token budget.
+
+        InternVL's processor stacks all videos of one call, so their frame
+        counts must match: video requests are grouped by frame count, and
+        requests without video join the largest group.
+        """
+        groups: dict[tuple[int, ...], list[Prepared]] = {(): []}
+        for item in ready:
+            frames = video_frame_counts(item.conversation)
+            key = tuple(sorted(set(frames))) if self._family == "internvl" else ()
+            groups.setdefault(key, []).append(item)
+        if len(groups) > 1:
+            plain = groups.pop(())
+            max(groups.values(), key=len).extend(plain)
+        budget = self.settings.token_budget
+        return [
+            batch
+            for group in groups.values()
+            for batch in plan_micro_batches(group, self._max_rows, budget)
+        ]
+
+    @property
+    def _family(self) -> str:
+        return self.loaded.family if self.loaded else ""
+
+    def _run_safely(
+        self, items: list[Prepared]
+    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+        """Run a micro-batch; never raises; one entry per item."""
+        try:
+            completions = self._runner.generate(items)
+        except OutOfMemory as exc:
+            return self._after_oom(items, exc)
+        except RowsTooLong as exc:
+            return self._drop_rows(items, exc.rows)
+        except Exception:
+            return self._bisect(items)
+        self._record(completions)
+        return [(item, c, None) for item, c in zip(items, completions, strict=True)]
+
+    def _after_oom(
+        self, items: list[Prepared], exc: OutOfMemory
+    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+        free_device_memory()
+        if len(items) == 1:
+            return [(items[0], None, exc)]
+        self.stats.oom_splits += 1
+        # Later micro-batches of this engine start at the size that fitted.
+        self._max_rows = max(1, min(self._max_rows, len(items) // 2))
+        log.warning("out of memory at %d rows; retrying at %d", len(items), len(items) // 2)
+        return self._split(items)
+
+    def _bisect(
+        self, items: list[Prepared]
+    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+        if len(items) == 1:
+            log.exception("generate failed for request %s", items[0].request.id)
+            return [(items[0], None, GenerationFailed("generation failed for this request"))]
+        self.stats.bisections += 1
+        return self._split(items)
+
+    def _split(
+        self, items: list[Prepared]
+    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+        half = len(items) // 2
+        return self._run_safely(items[:half]) + self._run_safely(items[half:])
+
+    def _drop_rows(
+        self, items: list[Prepared], rows: list[int]
+    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+        from config.errors import PromptTooLong
+
+        limit = self.loaded.context_length if self.loaded else 0
+        failed = [
+            (items[i], None, PromptTooLong(f"prompt plus max_new_tokens exceeds context {limit}"))
+            for i in rows
+        ]
+        rest = [item for i, item in enumerate(items) if i not in set(rows)]
+        return failed + (self._run_safely(rest) if rest else [])
+
+    def _record(self, completions: list[Completion]) -> None:
+        if not completions:
+            return
+        first = completions[0]
+        self.stats.micro_batches += 1
+        self.stats.rows += len(completions)
+        self.stats.batch_sizes.append(first.batch_size)
+        real = sum(c.prompt_tokens for c in completions)
+        self.stats.real_prompt_tokens += real
+        self.stats.padded_prompt_tokens += round(real / first.padding_ratio)
+
+    # encode ----------------------------------------------------------------
+    def to_result(self, outcome: Outcome, worker: str | None = None) -> Result:
+        request = outcome.prepared.request
+        record: dict[str, Any] = {
+            "id": request.id,
+            "custom_id": request.custom_id,
+            "job_id": request.job_id,
+            "model": self.model_name,
+            "modality": request.modality,
+            "worker": worker,
+            "timings": dict(outcome.prepared.timings),
+        }
+        completion = outcome.completion
+        if completion is None:
+            error = outcome.error or GenerationFailed("no output was produced")
+            return Result.model_validate({**record, "status": "failed", "error": error.to_dict()})
+        record["timings"]["generate_s"] = round(completion.generate_s, 4)
+        usage = Usage(
+            prompt_tokens=completion.prompt_tokens, completion_tokens=len(completion.token_ids)
+        )
+        return Result.model_validate(
+            {
+                **record,
+                "status": "succeeded",
+                "output": completion.text,
+                "finish_reason": completion.finish_reason,
+                "usage": usage,
+                "batch_id": completion.batch_id,
+                "batch_size": completion.batch_size,
+                "padding_ratio": completion.padding_ratio,
+            }
+        )

@@ -1,0 +1,183 @@
+"""Decode step: per request, check limits, fetch and decode media, estimate length.
+
+Each request is prepared on its own; a failure here (bad media, too many
+items, over-long prompt) fails only that request, with a stable error code.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from config.errors import InvalidRequest, PromptTooLong, TooManyMedia, VlmqError
+from config.schemas import ImagePart, Request, TextPart, VideoPart
+from config.settings import EngineSettings, MediaSettings
+from workers.engine.estimate import estimate_prompt_tokens
+from workers.engine.model import LoadedModel
+from workers.media import DecodedVideo, MediaLoader
+
+__all__ = ["Prepared", "Preparer"]
+
+
+@dataclass
+class Prepared:
+    """A request ready to collate, or the error that stopped it."""
+
+    request: Request
+    max_new_tokens: int
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    error: VlmqError | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def video_content(video: DecodedVideo) -> dict[str, Any]:
+    """A decoded video as a chat-template content part.
+
+    The processor ignores extra keys in a part; ``metadata`` (source frame
+    count, fps and the indices we sampled) is collected from here at collation
+    and passed as ``video_metadata``, which places the frames in time (Qwen's
+    temporal M-RoPE, Qwen3-VL's timestamps).
+    """
+    metadata = {
+        "total_num_frames": video.total_frames,
+        "fps": video.fps,
+        "frames_indices": list(video.frame_indices),
+    }
+    return {"type": "video", "video": list(video.frames), "metadata": metadata}
+
+
+def _subsample(video: DecodedVideo, count: int) -> DecodedVideo:
+    """Keep ``count`` evenly spaced frames (InternVL needs equal frame counts)."""
+    if len(video.frames) <= count:
+        return video
+    step = len(video.frames) / count
+    keep = [int(i * step) for i in range(count)]
+    return replace(
+        video,
+        frames=[video.frames[i] for i in keep],
+        frame_indices=[video.frame_indices[i] for i in keep],
+    )
+
+
+def video_frame_counts(conversation: list[dict[str, Any]]) -> tuple[int, ...]:
+    return tuple(
+        len(part["video"]) for m in conversation for part in m["content"] if part["type"] == "video"
+    )
+
+
+class Preparer:
+    """Turns requests into collatable conversations, fetching media concurrently."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        engine: EngineSettings,
+        media: MediaSettings,
+        loader: MediaLoader,
+        pool: Executor,
+    ) -> None:
+        self.loaded = loaded
+        self.engine = engine
+        self.media = media
+        self.loader = loader
+        self.pool = pool
+
+    def prepare_all(self, requests: list[Request]) -> list[Prepared]:
+        futures = [self.pool.submit(self.prepare, request) for request in requests]
+        return [f.result() for f in futures]
+
+    def prepare(self, request: Request) -> Prepared:
+        prepared = Prepared(request, self._max_new_tokens(request))
+        started = time.perf_counter()
+        try:
+            self._check_media_counts(request)
+            self._check_max_new_tokens(prepared.max_new_tokens)
+            prepared.conversation, sizes = self._decode(request)
+            prepared.prompt_tokens = self._estimate(prepared.conversation, *sizes)
+            self._check_context(prepared)
+        except VlmqError as exc:
+            prepared.error = exc
+        prepared.timings["prepare_s"] = round(time.perf_counter() - started, 4)
+        return prepared
+
+    def _max_new_tokens(self, request: Request) -> int:
+        return request.generation.max_new_tokens or self.engine.max_new_tokens_default
+
+    def _check_max_new_tokens(self, value: int) -> None:
+        if value > self.engine.max_new_tokens_cap:
+            raise InvalidRequest(
+                f"must be at most {self.engine.max_new_tokens_cap}", field="max_new_tokens"
+            )
+
+    def _check_media_counts(self, request: Request) -> None:
+        images, videos = len(request.parts("image")), len(request.parts("video"))
+        if images > self.media.max_images_per_request:
+            raise TooManyMedia(
+                f"{images} images; at most {self.media.max_images_per_request} per request"
+            )
+        if videos > self.media.max_videos_per_request:
+            raise TooManyMedia(
+                f"{videos} videos; at most {self.media.max_videos_per_request} per request"
+            )
+
+    def _check_context(self, prepared: Prepared) -> None:
+        limit = self.loaded.context_length
+        if prepared.prompt_tokens + prepared.max_new_tokens > limit:
+            raise PromptTooLong(
+                f"prompt of about {prepared.prompt_tokens} tokens plus max_new_tokens "
+                f"{prepared.max_new_tokens} exceeds the model context of {limit}"
+            )
+
+    def _decode(
+        self, request: Request
+    ) -> tuple[list[dict[str, Any]], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]]:
+        image_sizes: list[tuple[int, int]] = []
+        video_sizes: list[tuple[int, int, int]] = []
+        conversation = []
+        videos = self._load_videos(request)
+        for message in request.messages:
+            content: list[dict[str, Any]] = []
+            for part in message.content:
+                if isinstance(part, TextPart):
+                    content.append({"type": "text", "text": part.text})
+                elif isinstance(part, ImagePart):
+                    image = self.loader.load_image(part.source)
+                    image_sizes.append((image.height, image.width))
+                    content.append({"type": "image", "image": image})
+                elif isinstance(part, VideoPart):
+                    video = videos.pop(0)
+                    video_sizes.append((len(video.frames), video.height, video.width))
+                    content.append(video_content(video))
+            conversation.append({"role": message.role, "content": content})
+        return conversation, (image_sizes, video_sizes)
+
+    def _load_videos(self, request: Request) -> list[DecodedVideo]:
+        videos = [
+            self.loader.load_video(part.source, part.fps, part.max_frames)
+            for part in request.parts("video")
+        ]
+        # Qwen's temporal patch covers two frames: a one-frame clip repeats its frame.
+        videos = [
+            replace(v, frames=v.frames * 2, frame_indices=v.frame_indices * 2)
+            if len(v.frames) == 1
+            else v
+            for v in videos
+        ]
+        if self.loaded.family == "internvl" and videos:
+            # InternVL stacks every video of one processor call: equal frame counts.
+            common = min(len(v.frames) for v in videos)
+            videos = [_subsample(v, common) for v in videos]
+        return videos
+
+    def _estimate(
+        self,
+        conversation: list[dict[str, Any]],
+        image_sizes: list[tuple[int, int]],
+        video_sizes: list[tuple[int, int, int]],
+    ) -> int:
+        return estimate_prompt_tokens(
+            self.loaded.processor, self.loaded.family, conversation, image_sizes, video_sizes
+        )

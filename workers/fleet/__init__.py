@@ -1,0 +1,1 @@
+"""The fleet side of a worker: intake from Redis, status, results, the batch loop."""

@@ -1,0 +1,71 @@
+"""The Celery application of the fleet: JSON only, our intake as a worker bootstep.
+
+Celery hosts the worker process (signals, warm shutdown, remote control,
+events for Flower, ``celery inspect``); the batched intake of the modality
+queues runs as a bootstep, not as Celery's own consumer, because Celery's
+per-message consumer cannot ack a batch correctly (docs/design.md). The
+Celery consumer itself listens only on a small control queue.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from celery import Celery, bootsteps
+
+from config.settings import Settings
+from config.wire import TASK_NAME
+
+__all__ = ["CONTROL_QUEUE", "IntakeStep", "make_app"]
+
+CONTROL_QUEUE = "vlmq.control"
+
+
+def make_app(settings: Settings, service: Any = None) -> Celery:
+    app = Celery("vlmq", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=False,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": 3600},
+        task_default_queue=CONTROL_QUEUE,
+        task_routes={TASK_NAME: {"queue": "vlmq.text"}},
+    )
+
+    @app.task(name="vlmq.ping")
+    def ping() -> str:
+        return "pong"
+
+    if service is not None:
+        app.vlmq_service = service
+        app.steps["worker"].add(IntakeStep)
+    return app
+
+
+class IntakeStep(bootsteps.StartStopStep):
+    """Starts the batch loop with the worker, stops it on warm shutdown."""
+
+    requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.service = worker.app.vlmq_service
+
+    def start(self, worker: Any) -> None:
+        self.service.start()
+
+    def stop(self, worker: Any) -> None:
+        self.service.stop()
+
+    def shutdown(self, worker: Any) -> None:
+        self.service.stop()

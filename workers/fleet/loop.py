@@ -1,0 +1,363 @@
+"""The worker's batch loop: pull → filter → run → settle, per modality class.
+
+One loop per worker process, one model. Each turn takes one class's batch:
+it waits for the first message, keeps pulling until the class's maximum batch
+size or maximum wait, drops what is already terminal, cancelled or expired,
+dead-letters what was delivered too often, runs the rest through the engine
+(requests delivered more than once run alone, so a request that crashes the
+worker cannot take its batch-mates down with it), then settles each result.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from config.errors import DeadLettered, Expired, InvalidRequest, PermanentError, error_record
+from config.jsonl import describe_validation_error
+from config.results import ResultStore
+from config.schemas import Request, Result
+from config.settings import BatchPolicy
+from config.status import TERMINAL, Keys, TaskState
+from config.statusdb import StatusDB
+from config.wire import TaskMessage, WireError, decode_message
+from workers.fleet.settle import Settler
+from workers.intake import Delivery, Intake
+
+__all__ = ["BatchLoop", "LoopConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    model_name: str
+
+    def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]: ...
+
+
+@dataclass
+class LoopConfig:
+    modalities: list[str]
+    policies: dict[str, BatchPolicy]
+    worker: str
+    lease_s: float = 30.0
+    reap_interval_s: float = 5.0
+    max_deliveries: int = 3
+    batch_time_limit_s: float = 900.0
+    idle_sleep_s: tuple[float, float] = (0.005, 0.1)
+    upload_threads: int = 8
+    max_settle_backlog: int = 256
+    lanes: tuple[str, ...] = ("interactive", "bulk")
+
+
+@dataclass
+class _Work:
+    delivery: Delivery
+    message: TaskMessage | None = None
+    request: Request | None = None
+    status: dict[str, str] = field(default_factory=dict)
+
+
+class BatchLoop:
+    """Serves some modality classes with one engine until stopped."""
+
+    def __init__(
+        self,
+        config: LoopConfig,
+        engine: EngineLike,
+        client: Any,
+        store: ResultStore,
+        keys: Keys | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.keys = keys or Keys()
+        self.status = StatusDB(client, self.keys)
+        self.intakes = {
+            m: Intake(client, [self.keys.queue(m, lane) for lane in config.lanes], self.keys)
+            for m in config.modalities
+        }
+        self.reaper = next(iter(self.intakes.values()))
+        self._held: set[str] = set()
+        self._held_lock = threading.Lock()
+        self.settler = Settler(
+            store, self.status, self.reaper, self._release, threads=config.upload_threads
+        )
+        self.stop_event = threading.Event()
+        self.batch_started: float | None = None
+        self.batches_done = 0
+        self._last_reap = 0.0
+        self._turn = 0
+
+    # leases ----------------------------------------------------------------
+    def _hold(self, ids: Sequence[str]) -> None:
+        with self._held_lock:
+            self._held.update(ids)
+
+    def _release(self, ids: Sequence[str]) -> None:
+        with self._held_lock:
+            self._held.difference_update(ids)
+
+    def held(self) -> list[str]:
+        with self._held_lock:
+            return list(self._held)
+
+    def lease_deadline(self) -> float:
+        return time.time() + self.config.lease_s
+
+    def heartbeat(self) -> bool:
+        """Renew leases unless the current batch is stuck; False means give up."""
+        started = self.batch_started
+        if started is not None and time.monotonic() - started > self.config.batch_time_limit_s:
+            return False
+        self.reaper.renew(self.held(), self.lease_deadline())
+        return True
+
+    def reap(self) -> None:
+        now = time.time()
+        if now - self._last_reap >= self.config.reap_interval_s:
+            self._last_reap = now
+            moved = self.reaper.reap(now)
+            if moved:
+                log.warning("requeued %d messages whose worker stopped renewing", moved)
+
+    # the loop --------------------------------------------------------------
+    def run_forever(self) -> None:
+        idle = self.config.idle_sleep_s[0]
+        while not self.stop_event.is_set():
+            self.reap()
+            if self.settler.backlog > self.config.max_settle_backlog:
+                time.sleep(0.01)  # the store is slow or down: do not pull more
+                continue
+            if self.run_once():
+                idle = self.config.idle_sleep_s[0]
+            else:
+                self.stop_event.wait(idle)
+                idle = min(idle * 2, self.config.idle_sleep_s[1])
+
+    def run_once(self) -> int:
+        """Pull and serve one batch of one class; returns messages handled."""
+        order = self.config.modalities[self._turn :] + self.config.modalities[: self._turn]
+        self._turn = (self._turn + 1) % len(self.config.modalities)
+        for modality in order:
+            deliveries = self._gather(modality)
+            if deliveries:
+                self._serve(modality, deliveries)
+                return len(deliveries)
+        return 0
+
+    def _gather(self, modality: str) -> list[Delivery]:
+        policy = self.config.policies[modality]
+        intake = self.intakes[modality]
+        got = intake.pull(policy.max_batch_size, self.lease_deadline())
+        if not got:
+            return []
+        self._hold([d.task_id for d in got])
+        deadline = time.monotonic() + policy.max_wait_s
+        while len(got) < policy.max_batch_size and time.monotonic() < deadline:
+            more = intake.pull(policy.max_batch_size - len(got), self.lease_deadline())
+            if more:
+                self._hold([d.task_id for d in more])
+                got += more
+            else:
+                time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+        return got
+
+    # one batch -------------------------------------------------------------
+    def _serve(self, modality: str, deliveries: list[Delivery]) -> None:
+        work = self._decode(_unique(deliveries))
+        self._load_status(work)
+        runnable = [w for w in work if self._admit(w)]
+        runnable = [w for w in runnable if self._start(w)]
+        if not runnable:
+            return
+        self.batch_started = time.monotonic()
+        try:
+            fresh = [w for w in runnable if w.delivery.deliveries <= 1]
+            suspects = [w for w in runnable if w.delivery.deliveries > 1]
+            groups = ([fresh] if fresh else []) + [[w] for w in suspects]
+            for group in groups:
+                self._run_group(group)
+        finally:
+            self.batch_started = None
+            self.batches_done += 1
+
+    def _decode(self, deliveries: list[Delivery]) -> list[_Work]:
+        work = []
+        for delivery in deliveries:
+            item = _Work(delivery)
+            try:
+                item.message = decode_message(delivery.raw)
+                fields = {**item.message.request, "id": item.message.task_id}
+                item.request = Request.model_validate(fields)
+            except WireError as exc:
+                self._fail_now(item, InvalidRequest(str(exc)))
+                continue
+            except ValidationError as exc:
+                self._fail_now(item, InvalidRequest(describe_validation_error(exc)))
+                continue
+            work.append(item)
+        return work
+
+    def _load_status(self, work: list[_Work]) -> None:
+        statuses = self.status.tasks([w.delivery.task_id for w in work])
+        for item, status in zip(work, statuses, strict=True):
+            item.status = status
+
+    def _admit(self, item: _Work) -> bool:
+        """False (and acknowledged) for work that must not run."""
+        state = item.status.get("state", "unknown")
+        if state in {s.value for s in TERMINAL}:
+            self.settler.intake.ack([item.delivery.task_id])  # duplicate delivery
+            self._release([item.delivery.task_id])
+            return False
+        if self._expired(item):
+            self._fail_now(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
+            return False
+        if item.delivery.deliveries > self.config.max_deliveries:
+            self._dead_letter(item)
+            return False
+        return True
+
+    def _expired(self, item: _Work) -> bool:
+        now = datetime.now(timezone.utc)
+        if item.message and item.message.expires and item.message.expires <= now:
+            return True
+        deadline = _float(item.status.get("expires_at"))
+        return deadline is not None and deadline <= time.time()
+
+    def _start(self, item: _Work) -> bool:
+        request = item.request
+        assert request is not None
+        fields = {
+            "started_at": f"{time.time():.6f}",
+            "worker": self.config.worker,
+            "attempts": item.delivery.deliveries,
+            "modality": request.modality.value,
+        }
+        if not item.status.get("job_id") and request.job_id:
+            fields["job_id"] = request.job_id
+        _, moved = self.status.transition(item.delivery.task_id, TaskState.RUNNING, fields)
+        if not moved:  # cancelled or expired since it was pulled
+            self.settler.intake.ack([item.delivery.task_id])
+            self._release([item.delivery.task_id])
+        return moved
+
+    def _run_group(self, group: list[_Work]) -> None:
+        requests = [w.request for w in group if w.request is not None]
+        try:
+            results = self.engine.run(requests, worker=self.config.worker)
+        except Exception as exc:  # the engine itself broke: fail each, never drop
+            log.exception("engine failed on a batch of %d", len(requests))
+            results = [_failed_result(r, exc, self.engine.model_name) for r in requests]
+        for item, result in zip(group, results, strict=True):
+            self._settle(item, result)
+
+    def _settle(self, item: _Work, result: Result) -> None:
+        record = result.model_dump(mode="json")
+        record["timings"] = {
+            **record.get("timings", {}),
+            "queued_at": _float(item.status.get("queued_at")),
+            "finished_at": time.time(),
+        }
+        record["attempts"] = item.delivery.deliveries
+        state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
+        fields = {
+            "finished_at": f"{time.time():.6f}",
+            "batch_id": result.batch_id,
+            "error_code": (result.error or {}).get("code"),
+            "error_message": (result.error or {}).get("message"),
+        }
+        self.settler.submit(record, state, fields)
+
+    def _fail_now(
+        self, item: _Work, error: PermanentError, state: TaskState = TaskState.FAILED
+    ) -> None:
+        request = item.request
+        record = {
+            "id": item.delivery.task_id,
+            "custom_id": request.custom_id if request else None,
+            "job_id": (request.job_id if request else None) or item.status.get("job_id") or None,
+            "status": "failed",
+            "model": self.engine.model_name,
+            "error": error.to_dict(),
+            "worker": self.config.worker,
+            "attempts": item.delivery.deliveries,
+        }
+        fields = {
+            "finished_at": f"{time.time():.6f}",
+            "error_code": error.code,
+            "error_message": error.message,
+        }
+        self.settler.submit(record, state, fields)
+
+    def _dead_letter(self, item: _Work) -> None:
+        reason = (
+            f"delivered {item.delivery.deliveries - 1} times without finishing "
+            f"(limit {self.config.max_deliveries}); the worker died each time"
+        )
+        error = DeadLettered(reason)
+        self.status.redis.lpush(
+            self.keys.dead_letters(),
+            _json(
+                {
+                    "task_id": item.delivery.task_id,
+                    "reason": reason,
+                    "at": time.time(),
+                    "message": item.delivery.raw,
+                }
+            ),
+        )
+        self._fail_now(item, error)
+
+    # shutdown --------------------------------------------------------------
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def shutdown(self, drain_timeout_s: float = 60.0) -> None:
+        """After the loop returned: finish uploads, give back what never ran."""
+        self.settler.drain(drain_timeout_s)
+        leftover = self.held()
+        if leftover:
+            self.reaper.requeue(leftover)
+            self._release(leftover)
+        self.settler.close()
+
+
+def _unique(deliveries: list[Delivery]) -> list[Delivery]:
+    seen: dict[str, Delivery] = {}
+    for delivery in deliveries:
+        seen.setdefault(delivery.task_id, delivery)
+    return list(seen.values())
+
+
+def _failed_result(request: Request, exc: BaseException, model: str) -> Result:
+    return Result(
+        id=request.id,
+        custom_id=request.custom_id,
+        job_id=request.job_id,
+        status="failed",
+        model=model,
+        modality=request.modality,
+        error=error_record(exc),
+    )
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))

@@ -1,0 +1,47 @@
+"""An engine that does no inference: for queue benchmarks and fault tests.
+
+It has the Engine's interface (setup, run, close), answers every request with
+an empty output, and can sleep per batch to stand in for generation time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from config.schemas import FinishReason, Request, Result, Usage
+
+__all__ = ["NoopEngine"]
+
+
+class NoopEngine:
+    model_name = "noop"
+
+    def __init__(self, batch_delay_s: float = 0.0) -> None:
+        self.batch_delay_s = batch_delay_s
+
+    def setup(self) -> NoopEngine:
+        return self
+
+    def close(self) -> None:
+        pass
+
+    def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]:
+        if self.batch_delay_s:
+            time.sleep(self.batch_delay_s)
+        return [
+            Result(
+                id=r.id,
+                custom_id=r.custom_id,
+                job_id=r.job_id,
+                status="succeeded",
+                model="noop",
+                modality=r.modality,
+                output="",
+                finish_reason=FinishReason.STOP,
+                usage=Usage(),
+                batch_size=len(requests),
+                worker=worker,
+            )
+            for r in requests
+        ]

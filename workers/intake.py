@@ -1,0 +1,148 @@
+"""Reliable batched intake from the Celery queue lists, with leases.
+
+Why not kombu's own consumer: it acknowledges a batch even when it fails, and
+its unacked sweep redelivers only after ``visibility_timeout`` plus a slow
+restore cycle, while it also sweeps back messages a live worker merely buffers
+(see docs/design.md). Here a worker moves up to N messages atomically from the
+queue lists into an in-flight hash with a lease it keeps renewing while it
+works; acknowledging removes them. Any worker's reaper puts back messages whose
+lease ran out (their holder died), so a kill -9 is recovered within
+``lease_s + reap_interval_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from config.status import Keys
+from config.wire import priority_lists
+
+__all__ = ["Delivery", "Intake"]
+
+# KEYS: inflight hash, leases zset, origin-queue hash, then queue lists in
+# priority order. ARGV: max count, lease deadline, task key prefix.
+_POP = """
+local out = {}
+local limit = tonumber(ARGV[1])
+for i = 4, #KEYS do
+  while #out < limit do
+    local raw = redis.call('RPOP', KEYS[i])
+    if not raw then break end
+    local ok, msg = pcall(cjson.decode, raw)
+    local id
+    if ok and type(msg) == 'table' and type(msg.headers) == 'table' and msg.headers.id then
+      id = tostring(msg.headers.id)
+    else
+      id = 'invalid-' .. redis.sha1hex(raw)
+    end
+    redis.call('HSET', KEYS[1], id, raw)
+    redis.call('ZADD', KEYS[2], ARGV[2], id)
+    redis.call('HSET', KEYS[3], id, KEYS[i])
+    local n = redis.call('HINCRBY', ARGV[3] .. id, 'deliveries', 1)
+    out[#out + 1] = {id, raw, n}
+  end
+end
+return out
+"""
+
+# KEYS: inflight, leases, origin-queue. ARGV: ids. Forget acknowledged messages.
+_ACK = """
+for i = 1, #ARGV do
+  redis.call('HDEL', KEYS[1], ARGV[i])
+  redis.call('ZREM', KEYS[2], ARGV[i])
+  redis.call('HDEL', KEYS[3], ARGV[i])
+end
+return #ARGV
+"""
+
+# KEYS: inflight, leases, origin-queue. ARGV[1] = max deadline ('+inf' for
+# requeue of given ids), ARGV[2] = limit, ARGV[3..] = ids (optional).
+# Put messages back at the head of their queue (RPUSH: next to be popped).
+_REQUEUE = """
+local ids
+if #ARGV > 2 then
+  ids = {}
+  for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+else
+  ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+end
+local moved = 0
+for _, id in ipairs(ids) do
+  local raw = redis.call('HGET', KEYS[1], id)
+  local queue = redis.call('HGET', KEYS[3], id)
+  if raw and queue then
+    redis.call('RPUSH', queue, raw)
+    moved = moved + 1
+  end
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('ZREM', KEYS[2], id)
+end
+return moved
+"""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message taken from a queue, with how many times it was delivered."""
+
+    task_id: str
+    raw: str
+    deliveries: int
+
+
+class Intake:
+    """Pull, lease, acknowledge and requeue messages of some queues."""
+
+    def __init__(self, client: redis.Redis, queues: Sequence[str], keys: Keys | None = None):
+        self.redis = client
+        self.keys = keys or Keys()
+        # Each queue's priority lists, highest first; earlier queues first.
+        self.lists = [name for queue in queues for name in priority_lists(queue)]
+        self._pop = client.register_script(_POP)
+        self._ack = client.register_script(_ACK)
+        self._requeue = client.register_script(_REQUEUE)
+
+    def _bookkeeping(self) -> list[str]:
+        return [self.keys.inflight(), self.keys.leases(), self.keys.lease_queue()]
+
+    def pull(self, limit: int, lease_until: float) -> list[Delivery]:
+        """Atomically move up to ``limit`` messages into this worker's hands."""
+        rows: Any = self._pop(
+            keys=[*self._bookkeeping(), *self.lists],
+            args=[limit, f"{lease_until:.3f}", self.keys.task("")],
+        )
+        return [Delivery(_text(r[0]), _text(r[1]), int(r[2])) for r in rows]
+
+    def ack(self, task_ids: Sequence[str], client: Any = None) -> None:
+        if task_ids:
+            self._ack(keys=self._bookkeeping(), args=list(task_ids), client=client or self.redis)
+
+    def renew(self, task_ids: Sequence[str], lease_until: float) -> None:
+        """Extend the leases this worker still holds (XX: never resurrect one)."""
+        if task_ids:
+            self.redis.zadd(self.keys.leases(), dict.fromkeys(task_ids, lease_until), xx=True)
+
+    def requeue(self, task_ids: Sequence[str]) -> int:
+        """Give messages back at once (shutdown, or not started)."""
+        if not task_ids:
+            return 0
+        return int(self._requeue(keys=self._bookkeeping(), args=["+inf", 0, *task_ids]))
+
+    def reap(self, now: float, limit: int = 1000) -> int:
+        """Put back messages whose holder stopped renewing their lease."""
+        return int(self._requeue(keys=self._bookkeeping(), args=[f"{now:.3f}", limit]))
+
+    def depth(self) -> int:
+        pipe = self.redis.pipeline(transaction=False)
+        for name in self.lists:
+            pipe.llen(name)
+        return int(sum(pipe.execute()))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

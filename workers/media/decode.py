@@ -1,0 +1,478 @@
+"""Decode fetched bytes into RGB images and sampled video frames.
+
+Every limit comes from :class:`MediaSettings` and is a hard error, checked
+before pixels are allocated where possible. Decoder exceptions never reach a
+client: their text can carry object reprs and addresses (CVE-2026-22778 leaked
+a heap address through a Pillow error message), so each becomes a
+``MediaDecodeFailed`` with a fixed message.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import av
+from PIL import Image, ImageOps
+
+from config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
+from config.settings import MediaSettings
+
+__all__ = ["DecodedVideo", "decode_image", "decode_video", "plan_sample_times", "to_rgb"]
+
+_IMAGE_FAILED = "could not decode image"
+_VIDEO_FAILED = "could not decode video"
+_WHITE = (255, 255, 255)
+# Seconds a frame's timestamp may sit before a sample time and still be taken:
+# half a frame period absorbs rounding in container timestamps.
+_EPSILON_S = 1e-6
+# Without a keyframe index, decode forward instead of seeking when the next
+# sample is at most this far ahead (a seek would land on an earlier keyframe).
+_FORWARD_WINDOW_S = 1.0
+
+
+# --- images -------------------------------------------------------------------
+
+
+def decode_image(data: bytes, settings: MediaSettings) -> Image.Image:
+    """Decode one image (first frame if animated) to RGB, or raise a MediaError."""
+    try:
+        with Image.open(io.BytesIO(data), formats=settings.image_formats) as img:
+            check_image_pixels(img.size, settings)  # header size; nothing decoded yet
+            img.load()  # truncated data raises here: LOAD_TRUNCATED_IMAGES stays off
+            return to_rgb(_upright(img))
+    except VlmqError:
+        raise
+    except Image.DecompressionBombError:
+        raise MediaTooLarge("image has too many pixels") from None
+    except Exception:  # Pillow raises OSError, SyntaxError, ValueError, struct.error...
+        raise MediaDecodeFailed(_IMAGE_FAILED) from None
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """Apply the EXIF orientation (what a viewer shows); a broken EXIF block
+    is not worth failing the image for, so it is then ignored."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:
+        return img
+
+
+def check_image_pixels(size: tuple[int, int], settings: MediaSettings) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise MediaDecodeFailed(_IMAGE_FAILED)
+    if width * height > settings.max_image_pixels:
+        raise MediaTooLarge("image has too many pixels")
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB, with transparency composited onto white (as Qwen's loader does)
+    rather than dropped, which would expose whatever colour the alpha hid."""
+    if img.mode == "RGB":
+        return img
+    has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
+        img.mode == "P" and "transparency" in img.info
+    )
+    if not has_alpha:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (*_WHITE, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+# --- videos -------------------------------------------------------------------
+
+
+@dataclass
+class DecodedVideo:
+    """Sampled RGB frames plus what the processor needs to place them in time."""
+
+    frames: list[Image.Image]
+    fps: float  # source frame rate
+    duration_s: float
+    frame_indices: list[int]  # index of each frame in the source
+    total_frames: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """What the container says about the stream, before decoding anything."""
+
+    fps: float
+    duration_s: float
+    total_frames: int
+    indexed: bool  # complete metadata and a seek index: sampling may seek
+
+
+@dataclass
+class _Picked:
+    image: Image.Image
+    index: int
+
+
+def decode_video(
+    data: bytes,
+    settings: MediaSettings,
+    fps: float | None = None,
+    max_frames: int | None = None,
+) -> DecodedVideo:
+    """Sample frames evenly over the video at ``fps`` (capped by ``max_frames``
+    and ``settings.video_max_frames``), decoding as few frames as possible."""
+    target_fps, frame_cap = _sampling_request(settings, fps, max_frames)
+    try:
+        return _decode_video(data, settings, target_fps, frame_cap)
+    except VlmqError:
+        raise
+    except Exception:  # av.FFmpegError, and ValueError/OSError/MemoryError from PyAV
+        raise MediaDecodeFailed(_VIDEO_FAILED) from None
+
+
+def _sampling_request(
+    settings: MediaSettings, fps: float | None, max_frames: int | None
+) -> tuple[float, int]:
+    target_fps = settings.video_fps if fps is None else fps
+    if not (isinstance(target_fps, (int, float)) and math.isfinite(target_fps)) or target_fps <= 0:
+        raise InvalidRequest("video fps must be a positive number", field="fps")
+    cap = settings.video_max_frames if max_frames is None else max_frames
+    if not isinstance(cap, int) or cap < 1:
+        raise InvalidRequest("max_frames must be a positive integer", field="max_frames")
+    return float(target_fps), min(cap, settings.video_max_frames)
+
+
+def _decode_video(
+    data: bytes, settings: MediaSettings, target_fps: float, frame_cap: int
+) -> DecodedVideo:
+    with _open_container(data, settings) as container:
+        stream = _video_stream(container)
+        _check_header_resolution(stream, settings)
+        probe = _probe(container, stream) or _probe_by_demuxing(data, settings)
+    _check_duration(probe, settings)
+    times = plan_sample_times(
+        probe.duration_s, probe.fps, probe.total_frames, target_fps, frame_cap
+    )
+    budget = _DecodeBudget(settings.video_max_decoded_frames)
+    picked = _sample(data, settings, probe, times, budget)
+    picked = _even_count(picked)
+    if not picked:
+        raise MediaDecodeFailed("video has no decodable frames")
+    width, height = picked[0].image.size
+    return DecodedVideo(
+        frames=[p.image for p in picked],
+        fps=probe.fps,
+        duration_s=probe.duration_s,
+        frame_indices=[p.index for p in picked],
+        total_frames=probe.total_frames,
+        width=width,
+        height=height,
+    )
+
+
+def _refuse_nested_open(url: str, flags: int, options: dict[str, Any]) -> Any:
+    # Demuxers that reference other files or URLs (playlists, drefs) get nothing.
+    raise PermissionError("nested media opens are disabled")
+
+
+def _open_container(data: bytes, settings: MediaSettings) -> Any:
+    container = av.open(
+        io.BytesIO(data),
+        mode="r",
+        # Only the allowlisted demuxers are even probed, so formats with
+        # references to other files (hls, concat) never parse the input.
+        container_options={"format_whitelist": ",".join(settings.video_formats)},
+        metadata_errors="ignore",
+        io_open=_refuse_nested_open,
+    )
+    if container.format.name not in settings.video_formats:
+        container.close()
+        raise MediaDecodeFailed("video container format is not allowed")
+    return container
+
+
+def _video_stream(container: Any) -> Any:
+    if not container.streams.video:
+        raise MediaDecodeFailed("media has no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    return stream
+
+
+def _check_header_resolution(stream: Any, settings: MediaSettings) -> None:
+    # Fail before decoding anything; frames are checked again one by one.
+    width, height = stream.codec_context.width or 0, stream.codec_context.height or 0
+    if width * height > settings.video_max_pixels_per_frame:
+        raise MediaTooLarge("video resolution is too large")
+
+
+def _stream_fps(stream: Any) -> float | None:
+    for rate in (stream.average_rate, stream.guessed_rate, stream.base_rate):
+        if rate and rate > 0:
+            return float(rate)
+    return None
+
+
+def _stream_duration_s(container: Any, stream: Any) -> float | None:
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration:
+        return float(container.duration) / av.time_base
+    return None
+
+
+def _probe(container: Any, stream: Any) -> _Probe | None:
+    """Frame rate, duration and frame count from container metadata, or None
+    when the container does not say enough (then the packets are counted)."""
+    fps = _stream_fps(stream)
+    duration = _stream_duration_s(container, stream)
+    frames = stream.frames if stream.frames and stream.frames > 0 else None
+    if fps is None or (duration is None and frames is None):
+        return None
+    if frames is None:
+        frames = max(1, round((duration or 0.0) * fps))  # e.g. Matroska has no frame count
+    if duration is None:
+        duration = frames / fps
+    return _Probe(fps=fps, duration_s=duration, total_frames=frames, indexed=_has_index(stream))
+
+
+def _has_index(stream: Any) -> bool:
+    """Seek only in streams with a demuxer index (GIF has none: its frames are
+    then decoded in order, which also gives exact source indices)."""
+    entries = getattr(stream, "index_entries", None)
+    return entries is None or len(entries) > 0  # None: PyAV too old to say
+
+
+def _probe_by_demuxing(data: bytes, settings: MediaSettings) -> _Probe:
+    """Count packets without decoding them (cheap), bounded by the decode budget."""
+    count, first, end = 0, None, None
+    with _open_container(data, settings) as container:
+        stream = _video_stream(container)
+        time_base = stream.time_base or Fraction(1, 1)
+        for packet in container.demux(stream):
+            if packet.pts is None or packet.size == 0:
+                continue  # the flush packet
+            count += 1
+            if count > settings.video_max_decoded_frames:
+                raise MediaTooLarge("video has too many frames")
+            first = packet.pts if first is None else min(first, packet.pts)
+            stop = packet.pts + (packet.duration or 0)
+            end = stop if end is None else max(end, stop)
+        fps = _stream_fps(stream)
+    if count == 0 or first is None or end is None:
+        raise MediaDecodeFailed("video has no decodable frames")
+    duration = float((end - first) * time_base)
+    if fps is None:
+        fps = count / duration if duration > 0 else 1.0
+    if duration <= 0:
+        duration = count / fps
+    return _Probe(fps=fps, duration_s=duration, total_frames=count, indexed=False)
+
+
+def _check_duration(probe: _Probe, settings: MediaSettings) -> None:
+    if probe.duration_s > settings.video_max_duration_s:
+        raise MediaTooLarge("video is too long")
+
+
+def plan_sample_times(
+    duration_s: float, source_fps: float, total_frames: int, target_fps: float, max_frames: int
+) -> list[float]:
+    """Sample times (seconds from the first frame) at the centres of equal
+    segments: ``duration * target_fps`` of them, clamped to [2, max_frames]
+    and to the frame count, and even whenever that leaves at least 2 (Qwen
+    groups frames in temporal pairs)."""
+    wanted = round(duration_s * target_fps)
+    count = min(max(wanted, 2), max_frames, max(total_frames, 1))
+    if count >= 2 and count % 2:
+        count -= 1
+    span = max(duration_s, count / source_fps if source_fps > 0 else 0.0)
+    return [(i + 0.5) * span / count for i in range(count)]
+
+
+def _even_count(picked: list[_Picked]) -> list[_Picked]:
+    # A stream shorter than its metadata can leave an odd number of samples.
+    if len(picked) > 2 and len(picked) % 2:
+        return picked[:-1]
+    return picked
+
+
+class _DecodeBudget:
+    """Counts decoded frames across seeks so a long GOP cannot burn CPU."""
+
+    def __init__(self, limit: int) -> None:
+        self._left = limit
+
+    def spend(self) -> None:
+        self._left -= 1
+        if self._left < 0:
+            raise MediaTooLarge("video needs too many frames decoded")
+
+
+class _SeekUnusable(Exception):
+    """Seeking did not behave (no timestamps, or the demuxer refused)."""
+
+
+@dataclass
+class _Decoded:
+    frame: Any
+    seconds: float  # presentation time from the start of the stream
+    index: int
+
+
+class _FrameCursor:
+    """Decodes forward with one frame of look-ahead and answers "which frame
+    is on screen at time t": the last frame starting at or before t. That rule
+    holds for variable frame rates too (e.g. GIF delays in centiseconds)."""
+
+    def __init__(self, context: _StreamContext) -> None:
+        self._ctx = context
+        self._frames: Iterator[Any] | None = None
+        self._current: _Decoded | None = None
+        self._ahead: _Decoded | None = None
+        self._ordinal = 0
+
+    def restart(self, frames: Iterator[Any]) -> None:
+        self._frames, self._current, self._ahead = frames, None, None
+
+    @property
+    def position(self) -> float | None:
+        """Time of the furthest frame decoded since the last restart."""
+        latest = self._ahead or self._current
+        return latest.seconds if latest is not None else None
+
+    def frame_at(self, t: float) -> _Decoded | None:
+        while True:
+            nxt = self._peek()
+            if nxt is None or nxt.seconds > t + _EPSILON_S:
+                # Before the first frame (after a seek that overshot), take the next one.
+                return self._current or nxt
+            self._current, self._ahead = nxt, None
+
+    def _peek(self) -> _Decoded | None:
+        if self._ahead is None and self._frames is not None:
+            frame = next(self._frames, None)
+            if frame is not None:
+                self._ahead = self._ctx.describe(frame, self._ordinal)
+                self._ordinal += 1
+        return self._ahead
+
+
+class _StreamContext:
+    """Per-stream timing and the checks every decoded frame goes through."""
+
+    def __init__(
+        self,
+        stream: Any,
+        settings: MediaSettings,
+        probe: _Probe,
+        budget: _DecodeBudget,
+        sequential: bool,
+    ) -> None:
+        self.stream = stream
+        self.settings = settings
+        self.fps = probe.fps
+        self.budget = budget
+        self.sequential = sequential
+        self.time_base: Fraction = stream.time_base or Fraction(1, 1)
+        self.start_pts: int = stream.start_time or 0
+
+    def pts_of(self, seconds: float) -> int:
+        return self.start_pts + math.floor(Fraction(seconds) / self.time_base)
+
+    def describe(self, frame: Any, ordinal: int) -> _Decoded:
+        self.budget.spend()
+        # Resolution can change mid-stream: every frame is checked, not the header.
+        if frame.width * frame.height > self.settings.video_max_pixels_per_frame:
+            raise MediaTooLarge("video resolution is too large")
+        if frame.pts is None:
+            if not self.sequential:
+                raise _SeekUnusable
+            return _Decoded(frame, ordinal / self.fps, ordinal)
+        seconds = float((frame.pts - self.start_pts) * self.time_base)
+        if seconds > self.settings.video_max_duration_s:
+            raise MediaTooLarge("video is too long")
+        # In order, the ordinal is exact; after seeks only the time is known.
+        index = ordinal if self.sequential else max(0, round(seconds * self.fps))
+        return _Decoded(frame, seconds, index)
+
+
+def _sample(
+    data: bytes, settings: MediaSettings, probe: _Probe, times: list[float], budget: _DecodeBudget
+) -> list[_Picked]:
+    if probe.indexed:
+        try:
+            return _sample_frames(data, settings, probe, times, budget, sequential=False)
+        except _SeekUnusable:
+            pass  # fall back to decoding in order, still within the same budget
+    return _sample_frames(data, settings, probe, times, budget, sequential=True)
+
+
+def _sample_frames(
+    data: bytes,
+    settings: MediaSettings,
+    probe: _Probe,
+    times: list[float],
+    budget: _DecodeBudget,
+    sequential: bool,
+) -> list[_Picked]:
+    """Seeking mode: per sample, seek to the keyframe before it only when that
+    keyframe lies past what is already decoded, so the cost follows the number
+    of samples and the GOP, not the length. Sequential mode (containers without
+    usable metadata or seeking) decodes in order and stops after the last sample."""
+    picked: list[_Picked] = []
+    with _open_container(data, settings) as container:
+        stream = _video_stream(container)
+        ctx = _StreamContext(stream, settings, probe, budget, sequential)
+        cursor = _FrameCursor(ctx)
+        cursor.restart(container.decode(stream))
+        for t in times:
+            if not sequential and _must_seek(ctx, cursor.position, t):
+                _seek(container, ctx, t)
+                cursor.restart(container.decode(stream))
+            decoded = cursor.frame_at(t)
+            if decoded is None:
+                break
+            picked.append(_Picked(_frame_to_image(decoded.frame), decoded.index))
+    return picked
+
+
+def _must_seek(ctx: _StreamContext, position: float | None, t: float) -> bool:
+    if position is None:
+        return t > _FORWARD_WINDOW_S
+    if t <= position:
+        return False  # already decoded past it
+    keyframe = _keyframe_before(ctx.stream, ctx.pts_of(t))
+    if keyframe is not None:
+        return float((keyframe - ctx.start_pts) * ctx.time_base) > position
+    return t - position > _FORWARD_WINDOW_S
+
+
+def _seek(container: Any, ctx: _StreamContext, t: float) -> None:
+    try:
+        container.seek(ctx.pts_of(t), stream=ctx.stream, backward=True)
+    except av.FFmpegError:
+        raise _SeekUnusable from None
+
+
+def _keyframe_before(stream: Any, target_pts: int) -> int | None:
+    """Timestamp of the keyframe at or before target from the demuxer index
+    (exposed by recent PyAV); None when unknown. Some demuxers fill the index
+    lazily (Matroska reads its cues on the first seek), so an index that does
+    not reach the target is not trusted."""
+    entries = getattr(stream, "index_entries", None)
+    if not entries or entries[len(entries) - 1].timestamp < target_pts:
+        return None
+    position = entries.search_timestamp(target_pts, backward=True)
+    if position < 0:
+        return None
+    timestamp: int = entries[position].timestamp
+    return timestamp
+
+
+def _frame_to_image(frame: Any) -> Image.Image:
+    image: Image.Image = frame.to_image()  # RGB24
+    return image

@@ -1,0 +1,127 @@
+"""s3://bucket/key media from allowlisted buckets, size-checked with HEAD first."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from config.errors import (
+    InvalidRequest,
+    MediaFetchFailed,
+    MediaFetchTransient,
+    MediaForbidden,
+    MediaTooLarge,
+    VlmqError,
+)
+from config.settings import MediaSettings
+from workers.media.deadline import Deadline, call_with_deadline
+
+__all__ = ["S3ClientFactory", "S3Fetcher", "parse_s3_url"]
+
+# Returns a boto3 S3 client; the factory owns endpoint, credentials, retries
+# and per-request timeouts (botocore Config).
+S3ClientFactory = Callable[[], Any]
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_MAX_KEY_BYTES = 1024
+_CHUNK = 256 * 1024
+_NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "NoSuchBucket", "404"})
+_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"})
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Split ``s3://bucket/key``. Keys are taken verbatim (not percent-decoded),
+    as the AWS CLI does, since '?' and '#' are legal in keys."""
+    bucket, sep, key = url[len("s3://") :].partition("/")
+    if not sep or not key or not _BUCKET_RE.match(bucket):
+        raise InvalidRequest("s3 media URL must look like s3://bucket/key")
+    if len(key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+        raise InvalidRequest("s3 media key is too long")
+    return bucket, key
+
+
+class S3Fetcher:
+    """Fetches one object: bucket allowlist, HEAD size check, capped GET."""
+
+    def __init__(self, settings: MediaSettings, client_factory: S3ClientFactory | None) -> None:
+        self._settings = settings
+        self._factory = client_factory
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def fetch(self, url: str, cap: int, deadline: Deadline) -> bytes:
+        bucket, key = parse_s3_url(url)
+        if bucket not in self._settings.allowed_buckets:
+            raise MediaForbidden("media bucket is not allowed")
+        client = self._get_client()
+        cancelled = threading.Event()
+        try:
+            head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
+            _check_head_size(head, cap)
+            return call_with_deadline(
+                lambda: _download(client, bucket, key, head.get("ETag"), cap, cancelled), deadline
+            )
+        except VlmqError:
+            raise
+        except ClientError as exc:
+            raise _client_error(exc) from None
+        except BotoCoreError:
+            raise MediaFetchTransient("object store is unreachable") from None
+        finally:
+            cancelled.set()  # a download thread past the deadline stops at its next chunk
+
+    def _get_client(self) -> Any:
+        if self._factory is None:
+            raise MediaForbidden("s3 media sources are not enabled")
+        with self._lock:  # boto3 clients are thread-safe; creating them is not cheap
+            if self._client is None:
+                self._client = self._factory()
+            return self._client
+
+
+def _check_head_size(head: dict[str, Any], cap: int) -> None:
+    size = head.get("ContentLength")
+    if not isinstance(size, int):
+        raise MediaFetchFailed("object store returned no object size")
+    if size > cap:
+        raise MediaTooLarge("media is larger than the allowed size")
+
+
+def _download(
+    client: Any, bucket: str, key: str, etag: str | None, cap: int, cancelled: threading.Event
+) -> bytes:
+    # If-Match pins the GET to the object whose size HEAD approved.
+    extra = {"IfMatch": etag} if etag else {}
+    body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
+    try:
+        data = bytearray()
+        while not cancelled.is_set():
+            chunk = body.read(_CHUNK)
+            if not chunk:
+                return bytes(data)
+            data += chunk
+            if len(data) > cap:
+                raise MediaTooLarge("media is larger than the allowed size")
+        raise MediaFetchTransient("media fetch timed out")
+    finally:
+        body.close()
+
+
+def _client_error(exc: ClientError) -> VlmqError:
+    """Classify by the S3 error code / HTTP status, never by the message."""
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    if code in _NOT_FOUND or status == 404:
+        return MediaFetchFailed("media object not found")
+    if code in ("PreconditionFailed", "412") or status == 412:
+        return MediaFetchTransient("media object changed during fetch")
+    if code in _THROTTLED or status in (408, 429) or status >= 500:
+        return MediaFetchTransient("object store is temporarily unavailable")
+    if status == 403 or code == "AccessDenied":
+        return MediaFetchFailed("access to media object denied")
+    return MediaFetchFailed("object store refused the media request")

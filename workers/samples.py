@@ -1,0 +1,194 @@
+"""Deterministic synthetic media for tests, demos and benchmarks.
+
+Nothing binary is committed: every sample is generated from a seed. Images
+have structure (gradients, shapes) plus seeded noise so that codecs and vision
+encoders see something image-like. Each video frame carries its own index as a
+row of black/white 8x8 blocks (:func:`read_frame_code`), so a test can tell
+exactly which source frame a sampler returned, even after lossy compression.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import mimetypes
+import random
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image, ImageDraw
+
+__all__ = [
+    "data_uri",
+    "frame_code_modulus",
+    "make_audio_bytes",
+    "make_image",
+    "make_video_bytes",
+    "read_frame_code",
+    "save_image",
+    "save_video",
+]
+
+_CODE_BLOCK = 8  # pixels per bit block; matches the 8x8 DCT blocks of most codecs
+_MUXERS = {"mkv": "matroska", "mp4": "mp4", "webm": "webm", "avi": "avi", "gif": "gif"}
+_PIXEL_FORMATS = {"gif": "rgb8"}
+
+
+def make_image(size: tuple[int, int] = (64, 64), seed: int = 0) -> Image.Image:
+    """An RGB image: two gradients, a few seeded shapes, seeded noise."""
+    width, height = size
+    xs = np.linspace(0, 255, width, dtype=np.float32)[None, :].repeat(height, 0)
+    ys = np.linspace(0, 255, height, dtype=np.float32)[:, None].repeat(width, 1)
+    rng = np.random.default_rng(seed)
+    base = np.stack([xs, ys, 255 - (xs + ys) / 2], axis=-1)
+    noise = rng.normal(0.0, 12.0, size=(height, width, 3))
+    pixels = np.clip(base + noise, 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, mode="RGB")
+    _draw_shapes(image, random.Random(seed))
+    return image
+
+
+def _draw_shapes(image: Image.Image, rnd: random.Random) -> None:
+    draw = ImageDraw.Draw(image)
+    width, height = image.size
+    for _ in range(3):
+        x0, y0 = rnd.randrange(width), rnd.randrange(height)
+        x1 = min(width - 1, x0 + rnd.randrange(4, max(5, width // 2)))
+        y1 = min(height - 1, y0 + rnd.randrange(4, max(5, height // 2)))
+        color = (rnd.randrange(256), rnd.randrange(256), rnd.randrange(256))
+        if rnd.random() < 0.5:
+            draw.rectangle((x0, y0, x1, y1), fill=color)
+        else:
+            draw.ellipse((x0, y0, x1, y1), fill=color)
+    draw.line((0, height - 1, width - 1, 0), fill=(255, 255, 255), width=max(1, width // 32))
+
+
+def save_image(
+    path: str | Path, size: tuple[int, int] = (64, 64), seed: int = 0, format: str = "PNG"
+) -> Path:
+    target = Path(path)
+    image = make_image(size, seed)
+    if format.upper() in ("JPEG", "BMP"):
+        image = image.convert("RGB")
+    image.save(target, format=format)
+    return target
+
+
+def _code_bits(width: int) -> int:
+    return max(1, min(16, width // _CODE_BLOCK))
+
+
+def frame_code_modulus(width: int) -> int:
+    """Frame codes wrap at this value for frames ``width`` pixels wide."""
+    return 1 << _code_bits(width)
+
+
+def _stamp_frame_code(image: Image.Image, index: int) -> Image.Image:
+    """Write ``index`` (mod 2**bits) as a row of black/white blocks at the top."""
+    stamped = image.copy()
+    draw = ImageDraw.Draw(stamped)
+    for bit in range(_code_bits(image.width)):
+        on = (index >> bit) & 1
+        x0 = bit * _CODE_BLOCK
+        box = (x0, 0, x0 + _CODE_BLOCK - 1, _CODE_BLOCK - 1)
+        draw.rectangle(box, fill=(255, 255, 255) if on else (0, 0, 0))
+    return stamped
+
+
+def read_frame_code(image: Image.Image) -> int:
+    """Read back the index stamped by :func:`make_video_bytes` (mod 2**bits)."""
+    gray = np.asarray(image.convert("L"), dtype=np.float32)
+    value = 0
+    for bit in range(_code_bits(image.width)):
+        x0 = bit * _CODE_BLOCK
+        block = gray[1 : _CODE_BLOCK - 1, x0 + 1 : x0 + _CODE_BLOCK - 1]
+        if block.mean() > 127:
+            value |= 1 << bit
+    return value
+
+
+def _video_frame(base: Image.Image, index: int, n_frames: int) -> Image.Image:
+    """The base image with a square moving left to right, plus the code row."""
+    frame = base.copy()
+    width, height = frame.size
+    side = max(4, min(width, height) // 4)
+    x = int((width - side) * index / max(1, n_frames - 1))
+    y = height // 2 - side // 2
+    ImageDraw.Draw(frame).rectangle((x, y, x + side - 1, y + side - 1), fill=(255, 32, 32))
+    return _stamp_frame_code(frame, index)
+
+
+def make_video_bytes(
+    n_frames: int = 16,
+    size: tuple[int, int] = (64, 64),
+    fps: int = 8,
+    seed: int = 0,
+    container: str = "mp4",
+    codec: str = "mpeg4",
+    gop: int | None = None,
+    live: bool = False,
+) -> bytes:
+    """Encode a synthetic clip with PyAV. ``codec`` may be "libx264" where the
+    FFmpeg build has it; ``gop`` sets the keyframe interval (seek tests);
+    ``live`` (Matroska/WebM) omits duration and cues, as streamed recordings do."""
+    width, height = size
+    if width % 2 or height % 2:
+        raise ValueError("video width and height must be even")
+    base = make_image(size, seed)
+    buffer = io.BytesIO()
+    muxer = _MUXERS.get(container, container)
+    options = {"live": "1"} if live else None
+    with av.open(buffer, mode="w", format=muxer, container_options=options) as output:
+        stream = output.add_stream(codec, rate=fps)
+        if not isinstance(stream, av.VideoStream):
+            raise ValueError("codec is not a video codec")
+        stream.width, stream.height = width, height
+        stream.pix_fmt = _PIXEL_FORMATS.get(codec, "yuv420p")
+        # High quality so the frame-code blocks survive compression.
+        stream.bit_rate = max(200_000, width * height * fps * 4)
+        if gop is not None:
+            stream.codec_context.gop_size = gop
+        for index in range(n_frames):
+            frame = av.VideoFrame.from_image(_video_frame(base, index, n_frames))
+            output.mux(stream.encode(frame))
+        output.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def make_audio_bytes(
+    duration_s: float = 0.5, sample_rate: int = 16000, container: str = "mp4", codec: str = "aac"
+) -> bytes:
+    """An audio-only file (a sine tone): a valid container with no video stream."""
+    samples = int(duration_s * sample_rate)
+    tone = np.sin(2 * np.pi * 440.0 * np.arange(samples) / sample_rate).astype(np.float32)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=_MUXERS.get(container, container)) as output:
+        stream = output.add_stream(codec, rate=sample_rate)
+        if not isinstance(stream, av.AudioStream):
+            raise ValueError("codec is not an audio codec")
+        frame = av.AudioFrame.from_ndarray(tone[None, :], format="fltp", layout="mono")
+        frame.sample_rate = sample_rate
+        output.mux(stream.encode(frame))
+        output.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def save_video(path: str | Path, **kwargs: object) -> Path:
+    """Write :func:`make_video_bytes` output; the container defaults to the suffix."""
+    target = Path(path)
+    if "container" not in kwargs and target.suffix:
+        kwargs["container"] = target.suffix.lstrip(".").lower()
+    target.write_bytes(make_video_bytes(**kwargs))  # type: ignore[arg-type]
+    return target
+
+
+def data_uri(path_or_bytes: str | Path | bytes, mime: str | None = None) -> str:
+    """``data:<mime>;base64,...``; the MIME type is guessed from a path's suffix."""
+    if isinstance(path_or_bytes, bytes):
+        payload = path_or_bytes
+    else:
+        payload = Path(path_or_bytes).read_bytes()
+        mime = mime or mimetypes.guess_type(str(path_or_bytes))[0]
+    encoded = base64.b64encode(payload).decode("ascii")
+    return f"data:{mime or 'application/octet-stream'};base64,{encoded}"

@@ -41,7 +41,7 @@ def _measure(engine: Engine, requests: list, batch_size: int) -> tuple[float, in
 
 def run(args: argparse.Namespace) -> str:
     torch.set_num_threads(args.threads)
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir).resolve()
     rows = []
     for size in args.sizes:
         model_dir = workdir / f"{args.family}-{size}"

@@ -66,6 +66,9 @@ class FaultInjection(BaseModel):
     # Raise inside generate for any micro-batch holding a request whose text
     # contains this marker (a "poison" request for bisection tests).
     poison_marker: str | None = None
+    # Exit the worker process abruptly (as a segfault or an OOM kill would)
+    # when a batch holds a request whose text contains this marker.
+    crash_marker: str | None = None
 
 
 class EngineSettings(BaseModel):

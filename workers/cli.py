@@ -135,7 +135,7 @@ def _engine_for(kind: str, settings: Settings, noop_delay_s: float) -> Any:
     if kind == "noop":
         from workers.fleet.noop import NoopEngine
 
-        return NoopEngine(noop_delay_s)
+        return NoopEngine(noop_delay_s, crash_marker=settings.engine.faults.crash_marker)
     from workers.engine import Engine
 
     return Engine(settings.model, settings.engine, settings.media)

@@ -231,9 +231,10 @@ def test_unacked_messages_of_a_dead_worker_come_back_then_dead_letter(settings):
     client = Client(settings)
     task = client.submit(_conversation("text", 1), lane="bulk")
     intake = Intake(client.redis, ["vlmq.text"])
-    for delivery in (1, 2, 3):  # three workers "die" holding it
+    for delivery in (1, 2, 3):  # three workers "die" while running it
         got = wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
         assert [d.deliveries for d in got] == [delivery]
+        client.redis.hincrby(Keys().task(task), "attempts", 1)
         assert intake.reap(time.time()) == 1
     engine = RecordingEngine()
     with Running(_loop(settings, engine)):
@@ -244,12 +245,26 @@ def test_unacked_messages_of_a_dead_worker_come_back_then_dead_letter(settings):
     assert dead["task_id"] == task and "3 times" in dead["reason"]
 
 
+def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
+    client = Client(settings)
+    task = client.submit(_conversation("text", 1), lane="bulk")
+    intake = Intake(client.redis, ["vlmq.text"])
+    for _ in range(5):  # pulled and lost five times, never handed to an engine
+        wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
+        intake.reap(time.time())
+    engine = RecordingEngine()
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: client.status(task)["state"] == "succeeded", what="success")
+    assert engine.ran == [task]
+
+
 def test_redelivered_requests_run_alone(settings):
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(6)])
     intake = Intake(client.redis, ["vlmq.text"])
-    intake.pull(3, time.time() - 1)
-    intake.reap(time.time())  # three were delivered once before, to a dead worker
+    for delivery in intake.pull(3, time.time() - 1):  # three ran on a worker that died
+        client.redis.hincrby(Keys().task(delivery.task_id), "attempts", 1)
+    intake.reap(time.time())
     engine = RecordingEngine()
     with Running(_loop(settings, engine)):
         wait_until(lambda: _job_done(client, job), what="job")

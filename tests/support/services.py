@@ -7,7 +7,6 @@ relies on a Redis the machine may already run on 6379.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import redis
 
+from producers.localredis import LocalRedis, free_port
+
 __all__ = ["MotoServer", "RedisServer", "free_port", "wait_until"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
@@ -38,64 +33,18 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: s
         time.sleep(interval)
 
 
-class RedisServer:
-    def __init__(self, workdir: Path, appendonly: bool = True) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.appendonly = appendonly
-        self.process: subprocess.Popen[bytes] | None = None
+class RedisServer(LocalRedis):
+    """A private redis-server a test may kill and restart (same port, same data dir)."""
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def __init__(self, workdir: Path, appendonly: bool = True) -> None:
+        super().__init__(workdir, appendonly=appendonly)
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port)
 
-    def start(self) -> RedisServer:
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.workdir),
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--appendfsync",
-            "everysec",
-            "--maxmemory-policy",
-            "noeviction",
-            "--daemonize",
-            "no",
-            "--logfile",
-            str(self.workdir / "redis.log"),
-        ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self._pings, timeout=10, what="redis-server to answer")
-        return self
-
-    def _pings(self) -> bool:
-        try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
-        except redis.RedisError:
-            return False
-
     def kill(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
             self.process.wait(10)
 
 

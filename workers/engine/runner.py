@@ -7,6 +7,7 @@ sampling) → trim each prompt → ``batch_decode(skip_special_tokens=True)``.
 from __future__ import annotations
 
 import gc
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -38,6 +39,9 @@ class Completion:
     batch_size: int
     padding_ratio: float
     generate_s: float
+
+
+EXIT_INJECTED_CRASH = 86
 
 
 class RowsTooLong(Exception):
@@ -138,6 +142,9 @@ class BatchRunner:
         marker = self.faults.poison_marker
         if marker and any(marker in _text_of(item) for item in items):
             raise InjectedFault("injected poison request")
+        crash = self.faults.crash_marker
+        if crash and any(crash in _text_of(item) for item in items):
+            os._exit(EXIT_INJECTED_CRASH)
 
     def _check_context(self, items: Sequence[Prepared], attention_mask: torch.Tensor) -> None:
         lengths = attention_mask.sum(dim=1).tolist()

@@ -64,6 +64,14 @@ class _Work:
     request: Request | None = None
     status: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def attempts(self) -> int:
+        """Times this request was handed to an engine without finishing."""
+        try:
+            return int(self.status.get("attempts") or 0)
+        except ValueError:
+            return 0
+
 
 class BatchLoop:
     """Serves some modality classes with one engine until stopped."""
@@ -180,11 +188,20 @@ class BatchLoop:
             return
         self.batch_started = time.monotonic()
         try:
-            fresh = [w for w in runnable if w.delivery.deliveries <= 1]
-            suspects = [w for w in runnable if w.delivery.deliveries > 1]
-            groups = ([fresh] if fresh else []) + [[w] for w in suspects]
-            for group in groups:
-                self._run_group(group)
+            # A request that ran before without finishing (its worker died) runs
+            # alone, least-tried first, so a request that kills its worker cannot
+            # take its batch-mates down with it again.
+            fresh = [w for w in runnable if w.attempts == 0]
+            suspects = sorted((w for w in runnable if w.attempts > 0), key=lambda w: w.attempts)
+            if fresh:
+                self._count_attempt(fresh)
+                self._run_group(fresh)
+            for suspect in suspects:
+                # Settle everything before each risky run: if it kills the
+                # process, the results of its batch-mates are already safe.
+                self.settler.drain()
+                self._count_attempt([suspect])
+                self._run_group([suspect])
         finally:
             self.batch_started = None
             self.batches_done += 1
@@ -221,7 +238,7 @@ class BatchLoop:
         if self._expired(item):
             self._fail_now(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
             return False
-        if item.delivery.deliveries > self.config.max_deliveries:
+        if item.attempts >= self.config.max_deliveries:
             self._dead_letter(item)
             return False
         return True
@@ -239,7 +256,6 @@ class BatchLoop:
         fields = {
             "started_at": f"{time.time():.6f}",
             "worker": self.config.worker,
-            "attempts": item.delivery.deliveries,
             "modality": request.modality.value,
         }
         if not item.status.get("job_id") and request.job_id:
@@ -249,6 +265,13 @@ class BatchLoop:
             self.settler.intake.ack([item.delivery.task_id])
             self._release([item.delivery.task_id])
         return moved
+
+    def _count_attempt(self, group: list[_Work]) -> None:
+        pipe = self.status.redis.pipeline(transaction=False)
+        for item in group:
+            pipe.hincrby(self.keys.task(item.delivery.task_id), "attempts", 1)
+        for item, attempts in zip(group, pipe.execute(), strict=True):
+            item.status["attempts"] = str(attempts)
 
     def _run_group(self, group: list[_Work]) -> None:
         requests = [w.request for w in group if w.request is not None]
@@ -267,7 +290,8 @@ class BatchLoop:
             "queued_at": _float(item.status.get("queued_at")),
             "finished_at": time.time(),
         }
-        record["attempts"] = item.delivery.deliveries
+        record["attempts"] = item.attempts
+        record["deliveries"] = item.delivery.deliveries
         state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
         fields = {
             "finished_at": f"{time.time():.6f}",
@@ -289,7 +313,8 @@ class BatchLoop:
             "model": self.engine.model_name,
             "error": error.to_dict(),
             "worker": self.config.worker,
-            "attempts": item.delivery.deliveries,
+            "attempts": item.attempts,
+            "deliveries": item.delivery.deliveries,
         }
         fields = {
             "finished_at": f"{time.time():.6f}",
@@ -300,8 +325,8 @@ class BatchLoop:
 
     def _dead_letter(self, item: _Work) -> None:
         reason = (
-            f"delivered {item.delivery.deliveries - 1} times without finishing "
-            f"(limit {self.config.max_deliveries}); the worker died each time"
+            f"ran {item.attempts} times without finishing (limit "
+            f"{self.config.max_deliveries}); its worker died each time"
         )
         error = DeadLettered(reason)
         self.status.redis.lpush(

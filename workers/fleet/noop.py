@@ -6,6 +6,7 @@ an empty output, and can sleep per batch to stand in for generation time.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -17,8 +18,9 @@ __all__ = ["NoopEngine"]
 class NoopEngine:
     model_name = "noop"
 
-    def __init__(self, batch_delay_s: float = 0.0) -> None:
+    def __init__(self, batch_delay_s: float = 0.0, crash_marker: str | None = None) -> None:
         self.batch_delay_s = batch_delay_s
+        self.crash_marker = crash_marker
 
     def setup(self) -> NoopEngine:
         return self
@@ -27,6 +29,8 @@ class NoopEngine:
         pass
 
     def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]:
+        if self.crash_marker and any(self.crash_marker in _text(r) for r in requests):
+            os._exit(86)  # stands in for a segfault or an OOM kill
         if self.batch_delay_s:
             time.sleep(self.batch_delay_s)
         return [
@@ -45,3 +49,7 @@ class NoopEngine:
             )
             for r in requests
         ]
+
+
+def _text(request: Request) -> str:
+    return " ".join(getattr(p, "text", "") for m in request.messages for p in m.content)

@@ -78,6 +78,7 @@ class WorkerService:
 
     def start(self) -> None:
         assert self.loop is not None, "setup() first"
+        self._announce()
         self._spawn(self._run_loop, "batch-loop")
         self._spawn(self._heartbeat, "heartbeat")
         log.info("worker %s serving %s", self.name, ",".join(self.modalities))

@@ -1,0 +1,188 @@
+"""The fleet with real worker processes, a real Redis and moto's S3 server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+
+from config.results import result_key
+from config.settings import Settings
+from config.status import Keys
+from producers.client import Client
+from tests.e2e.conftest import vlmq
+from tests.support.services import wait_until
+from workers.samples import save_image, save_video
+
+
+def _policy(size: int, wait: float = 0.05) -> dict:
+    return {"max_batch_size": size, "max_wait_s": wait, "token_budget": 10**6}
+
+
+@pytest.fixture
+def fleet_env(redis_server, moto_server, tmp_path, request):
+    bucket = f"fleet-{abs(hash(request.node.name)) % 10**8}"
+    moto_server.s3().create_bucket(Bucket=bucket)
+    env = {
+        "VLMQ_REDIS_URL": redis_server.url,
+        "VLMQ_RESULTS_URL": f"s3://{bucket}/results",
+        "VLMQ_S3_ENDPOINT_URL": moto_server.endpoint,
+        "VLMQ_FLEET__LEASE_S": "3",
+        "VLMQ_FLEET__REAP_INTERVAL_S": "0.5",
+        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(tmp_path)]),
+        "VLMQ_ENGINE__TORCH_THREADS": "1",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+    }
+    return env
+
+
+def _client(env) -> Client:
+    return Client(Settings(redis_url=env["VLMQ_REDIS_URL"], results_url=env["VLMQ_RESULTS_URL"],
+                           s3_endpoint_url=env["VLMQ_S3_ENDPOINT_URL"]))
+
+
+class Fleet:
+    """Worker processes a test can start, kill -9 and stop."""
+
+    def __init__(self, env):
+        self.env = env
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        proc = vlmq("worker", *args, env={**self.env, **(env or {})},
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def fleet(fleet_env):
+    running = Fleet(fleet_env)
+    yield running
+    running.stop()
+
+
+def _ready(client: Client, count: int) -> bool:
+    return client.redis.hlen(Keys().workers()) >= count
+
+
+def _job_finished(client: Client, job: str) -> bool:
+    return client.status(job)["finished"]
+
+
+def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tmp_path):
+    save_image(tmp_path / "a.png", size=(64, 64), seed=1)
+    save_video(tmp_path / "v.mp4", n_frames=8, size=(64, 64), fps=4, seed=2)
+    env = {"VLMQ_MODEL": str(tiny_model)}
+    for modality in ("text", "image", "video"):
+        fleet.start("--modality", modality, "--name", f"{modality}-worker", env=env)
+    client = _client(fleet_env)
+    wait_until(lambda: _ready(client, 3), timeout=120, what="3 workers")
+    image = {"type": "image", "image": str(tmp_path / "a.png")}
+    video = {"type": "video", "video": str(tmp_path / "v.mp4")}
+    items = (
+        [{"custom_id": f"t{i}", "messages": [{"role": "user", "content": f"hi {i}"}]}
+         for i in range(6)]
+        + [{"custom_id": f"i{i}", "messages": [{"role": "user", "content": [image, "what?"]}]}
+           for i in range(4)]
+        + [{"custom_id": f"v{i}", "messages": [{"role": "user", "content": [video, "what?"]}]}
+           for i in range(3)]
+        + [{"custom_id": "bad", "messages": [{"role": "user", "content": [
+            {"type": "image", "image": str(tmp_path / "missing.png")}]}]}]
+    )
+    job = client.submit_many(items, name="e2e")
+    wait_until(lambda: _job_finished(client, job), timeout=240, what="job")
+    status = client.status(job)
+    assert status["counts"]["succeeded"] == 13 and status["counts"]["failed"] == 1
+    ids = list(client.job_task_ids(job))
+    keys = client.store.keys(job)
+    assert sorted(keys) == sorted(result_key(i, job) for i in ids)
+    for task_id in ids:
+        record = client.result(task_id)
+        modality = record["modality"]
+        assert record["worker"].startswith(f"{modality}-worker"), record  # routing
+        if record["custom_id"] == "bad":
+            assert record["error"]["code"] == "media_fetch_failed"
+        else:
+            assert record["status"] == "succeeded" and record["usage"]["completion_tokens"] > 0
+            assert record["batch_size"] >= 1 and record["model"] == str(tiny_model)
+
+
+def _submit_text(client: Client, n: int, marker: str = "") -> str:
+    items = [{"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"task {i}"}]}
+             for i in range(n)]
+    if marker:
+        items[0]["messages"][0]["content"] = f"task 0 {marker}"
+    return client.submit_many(items)
+
+
+NOOP = ("--modality", "text", "--engine", "noop")
+BATCH16 = {"VLMQ_BATCH": json.dumps({m: _policy(16) for m in ("text", "image", "video")})}
+
+
+def test_kill9_mid_batch_loses_nothing_and_duplicates_nothing(fleet, fleet_env):
+    client = _client(fleet_env)
+    job = _submit_text(client, 240)
+    env = {**BATCH16}
+    for _ in range(2):  # kill -9 twice while a batch is running, then restart
+        worker = fleet.start(*NOOP, "--noop-delay", "0.4", env=env)
+        wait_until(lambda: client.status(job)["counts"]["running"] > 0, timeout=60,
+                   what="a running batch")
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+    fleet.start(*NOOP, "--noop-delay", "0.05", env=env)
+    wait_until(lambda: _job_finished(client, job), timeout=120, what="job after kills")
+    status = client.status(job)
+    assert status["counts"] == {"queued": 0, "running": 0, "succeeded": 240, "failed": 0,
+                                "cancelled": 0, "expired": 0}
+    ids = list(client.job_task_ids(job))
+    assert sorted(client.store.keys(job)) == sorted(result_key(i, job) for i in ids)
+    attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
+    assert max(attempts) >= 2  # some were delivered again after a kill
+    assert client.redis.hlen(Keys().inflight()) == 0
+
+
+def test_sigterm_finishes_or_returns_in_flight_work(fleet, fleet_env):
+    client = _client(fleet_env)
+    job = _submit_text(client, 64)
+    worker = fleet.start(*NOOP, "--noop-delay", "1.0", env=BATCH16)
+    wait_until(lambda: client.status(job)["counts"]["running"] > 0, timeout=60, what="running")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    counts = client.status(job)["counts"]
+    assert counts["running"] == 0, counts  # nothing half-done
+    assert client.redis.hlen(Keys().inflight()) == 0  # nothing held by the dead worker
+    assert counts["succeeded"] + counts["queued"] == 64
+    fleet.start(*NOOP, env=BATCH16)
+    wait_until(lambda: _job_finished(client, job), timeout=60, what="job")
+    assert client.status(job)["counts"]["succeeded"] == 64
+
+
+def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
+    client = _client(fleet_env)
+    job = _submit_text(client, 6, marker="CRASH-ME")
+    env = {**BATCH16, "VLMQ_ENGINE__FAULTS__CRASH_MARKER": "CRASH-ME"}
+    deaths = 0
+    while not _job_finished(client, job):
+        worker = fleet.start(*NOOP, env=env)
+        wait_until(lambda w=worker: w.poll() is not None or _job_finished(client, job),
+                   timeout=60, what="a crash or the end of the job")
+        if worker.poll() is not None:
+            deaths += 1
+        assert deaths <= 5, "the crashing request kept looping"
+    status = client.status(job)
+    assert status["counts"]["succeeded"] == 5 and status["counts"]["failed"] == 1, (status["counts"], deaths)
+    assert deaths == 3  # the first batch, then the suspect alone twice
+    poison = next(i for i in client.job_task_ids(job)
+                  if client.status(i)["custom_id"] == "c0")
+    assert client.result(poison)["error"]["code"] == "dead_lettered"
+    assert client.redis.llen(Keys().dead_letters()) == 1

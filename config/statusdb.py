@@ -82,6 +82,8 @@ class StatusDB:
             job = self.keys.job(job_id)
             pipe.hincrby(job, "total", 1)
             pipe.hincrby(job, TaskState.QUEUED.value, 1)
+            pipe.expire(job, self.ttl_s)
+            pipe.expire(self.keys.job_tasks(job_id), self.ttl_s)
 
     def transition(
         self,

@@ -40,8 +40,13 @@ def fleet_env(redis_server, moto_server, tmp_path, request):
 
 
 def _client(env) -> Client:
-    return Client(Settings(redis_url=env["VLMQ_REDIS_URL"], results_url=env["VLMQ_RESULTS_URL"],
-                           s3_endpoint_url=env["VLMQ_S3_ENDPOINT_URL"]))
+    return Client(
+        Settings(
+            redis_url=env["VLMQ_REDIS_URL"],
+            results_url=env["VLMQ_RESULTS_URL"],
+            s3_endpoint_url=env["VLMQ_S3_ENDPOINT_URL"],
+        )
+    )
 
 
 class Fleet:
@@ -52,8 +57,13 @@ class Fleet:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        proc = vlmq("worker", *args, env={**self.env, **(env or {})},
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = vlmq(
+            "worker",
+            *args,
+            env={**self.env, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.procs.append(proc)
         return proc
 
@@ -90,14 +100,29 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
     image = {"type": "image", "image": str(tmp_path / "a.png")}
     video = {"type": "video", "video": str(tmp_path / "v.mp4")}
     items = (
-        [{"custom_id": f"t{i}", "messages": [{"role": "user", "content": f"hi {i}"}]}
-         for i in range(6)]
-        + [{"custom_id": f"i{i}", "messages": [{"role": "user", "content": [image, "what?"]}]}
-           for i in range(4)]
-        + [{"custom_id": f"v{i}", "messages": [{"role": "user", "content": [video, "what?"]}]}
-           for i in range(3)]
-        + [{"custom_id": "bad", "messages": [{"role": "user", "content": [
-            {"type": "image", "image": str(tmp_path / "missing.png")}]}]}]
+        [
+            {"custom_id": f"t{i}", "messages": [{"role": "user", "content": f"hi {i}"}]}
+            for i in range(6)
+        ]
+        + [
+            {"custom_id": f"i{i}", "messages": [{"role": "user", "content": [image, "what?"]}]}
+            for i in range(4)
+        ]
+        + [
+            {"custom_id": f"v{i}", "messages": [{"role": "user", "content": [video, "what?"]}]}
+            for i in range(3)
+        ]
+        + [
+            {
+                "custom_id": "bad",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "image": str(tmp_path / "missing.png")}],
+                    }
+                ],
+            }
+        ]
     )
     job = client.submit_many(items, name="e2e")
     wait_until(lambda: _job_finished(client, job), timeout=240, what="job")
@@ -118,8 +143,10 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
 
 
 def _submit_text(client: Client, n: int, marker: str = "") -> str:
-    items = [{"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"task {i}"}]}
-             for i in range(n)]
+    items = [
+        {"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"task {i}"}]}
+        for i in range(n)
+    ]
     if marker:
         items[0]["messages"][0]["content"] = f"task 0 {marker}"
     return client.submit_many(items)
@@ -135,15 +162,22 @@ def test_kill9_mid_batch_loses_nothing_and_duplicates_nothing(fleet, fleet_env):
     env = {**BATCH16}
     for _ in range(2):  # kill -9 twice while a batch is running, then restart
         worker = fleet.start(*NOOP, "--noop-delay", "0.4", env=env)
-        wait_until(lambda: client.status(job)["counts"]["running"] > 0, timeout=60,
-                   what="a running batch")
+        wait_until(
+            lambda: client.status(job)["counts"]["running"] > 0, timeout=60, what="a running batch"
+        )
         worker.send_signal(signal.SIGKILL)
         worker.wait(10)
     fleet.start(*NOOP, "--noop-delay", "0.05", env=env)
     wait_until(lambda: _job_finished(client, job), timeout=120, what="job after kills")
     status = client.status(job)
-    assert status["counts"] == {"queued": 0, "running": 0, "succeeded": 240, "failed": 0,
-                                "cancelled": 0, "expired": 0}
+    assert status["counts"] == {
+        "queued": 0,
+        "running": 0,
+        "succeeded": 240,
+        "failed": 0,
+        "cancelled": 0,
+        "expired": 0,
+    }
     ids = list(client.job_task_ids(job))
     assert sorted(client.store.keys(job)) == sorted(result_key(i, job) for i in ids)
     attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
@@ -174,15 +208,20 @@ def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
     deaths = 0
     while not _job_finished(client, job):
         worker = fleet.start(*NOOP, env=env)
-        wait_until(lambda w=worker: w.poll() is not None or _job_finished(client, job),
-                   timeout=60, what="a crash or the end of the job")
+        wait_until(
+            lambda w=worker: w.poll() is not None or _job_finished(client, job),
+            timeout=60,
+            what="a crash or the end of the job",
+        )
         if worker.poll() is not None:
             deaths += 1
         assert deaths <= 5, "the crashing request kept looping"
     status = client.status(job)
-    assert status["counts"]["succeeded"] == 5 and status["counts"]["failed"] == 1, (status["counts"], deaths)
+    assert status["counts"]["succeeded"] == 5 and status["counts"]["failed"] == 1, (
+        status["counts"],
+        deaths,
+    )
     assert deaths == 3  # the first batch, then the suspect alone twice
-    poison = next(i for i in client.job_task_ids(job)
-                  if client.status(i)["custom_id"] == "c0")
+    poison = next(i for i in client.job_task_ids(job) if client.status(i)["custom_id"] == "c0")
     assert client.result(poison)["error"]["code"] == "dead_lettered"
     assert client.redis.llen(Keys().dead_letters()) == 1

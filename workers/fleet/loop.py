@@ -253,8 +253,9 @@ class BatchLoop:
     def _start(self, item: _Work) -> bool:
         request = item.request
         assert request is not None
+        item.status["started_at"] = f"{time.time():.6f}"
         fields = {
-            "started_at": f"{time.time():.6f}",
+            "started_at": item.status["started_at"],
             "worker": self.config.worker,
             "modality": request.modality.value,
         }
@@ -288,6 +289,7 @@ class BatchLoop:
         record["timings"] = {
             **record.get("timings", {}),
             "queued_at": _float(item.status.get("queued_at")),
+            "started_at": _float(item.status.get("started_at")),
             "finished_at": time.time(),
         }
         record["attempts"] = item.attempts

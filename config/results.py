@@ -42,6 +42,15 @@ class ResultStore(ABC):
     @abstractmethod
     def keys(self, prefix: str = "") -> list[str]: ...
 
+    @abstractmethod
+    def put_blob(
+        self, key: str, data: bytes, content_type: str = "application/octet-stream"
+    ) -> str:
+        """Store raw bytes (uploaded files, exported result files)."""
+
+    @abstractmethod
+    def get_blob(self, key: str) -> bytes | None: ...
+
     def ping(self) -> None:  # noqa: B027 - reachable by default (local stores)
         """Raise StoreUnavailable when the store cannot be reached."""
 
@@ -78,6 +87,21 @@ class FileStore(ResultStore):
             handle.write(_encode(record))
         os.replace(tmp, path)
         return f"{self.url}/{key}"
+
+    def put_blob(
+        self, key: str, data: bytes, content_type: str = "application/octet-stream"
+    ) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+        return f"{self.url}/{key}"
+
+    def get_blob(self, key: str) -> bytes | None:
+        path = self._path(key)
+        return path.read_bytes() if path.exists() else None
 
     def get(self, url_or_key: str) -> dict[str, Any] | None:
         path = self._path(self.key_of(url_or_key))
@@ -131,6 +155,33 @@ class S3Store(ResultStore):
         except (BotoCoreError, ClientError) as exc:
             raise StoreUnavailable("the results store did not accept the write") from exc
         return f"{self.url}/{key}"
+
+    def put_blob(
+        self, key: str, data: bytes, content_type: str = "application/octet-stream"
+    ) -> str:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._full(key), Body=data, ContentType=content_type
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store did not accept the write") from exc
+        return f"{self.url}/{key}"
+
+    def get_blob(self, key: str) -> bytes | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise StoreUnavailable("the results store could not be read") from exc
+        except BotoCoreError as exc:
+            raise StoreUnavailable("the results store could not be read") from exc
+        data: bytes = reply["Body"].read()
+        return data
 
     def get(self, url_or_key: str) -> dict[str, Any] | None:
         from botocore.exceptions import BotoCoreError, ClientError

@@ -11,12 +11,14 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
+    "ApiSettings",
     "BatchPolicy",
     "EngineSettings",
     "FaultInjection",
     "FleetSettings",
     "MediaSettings",
     "Settings",
+    "WebhookSettings",
 ]
 
 MiB = 1024 * 1024
@@ -116,6 +118,31 @@ class FleetSettings(BaseModel):
     task_ttl_s: int = 7 * 86400
 
 
+class ApiSettings(BaseModel):
+    """The HTTP API (``vlmq serve``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer tokens accepted by the API. Empty: no authentication, and the
+    # server refuses to bind anywhere but loopback.
+    api_keys: list[str] = Field(default_factory=list)
+    max_body_bytes: int = 32 * MiB
+    max_batch_items: int = 1000  # POST /v1/tasks:batch
+    rate_limit_per_s: float = 50.0  # per key (or per client address without keys)
+    rate_limit_burst: int = 100
+    # Refuse new work with 429 once this many tasks wait in a class's queues.
+    max_queue_depth: int = 1_000_000
+    max_file_bytes: int = 512 * MiB  # POST /v1/files
+
+
+class WebhookSettings(BaseModel):
+    secret: str = ""  # HMAC-SHA256 key for the X-Vlmq-Signature header
+    max_attempts: int = Field(6, ge=1)
+    timeout_s: float = 10.0
+    # Webhooks go to arbitrary URLs: loopback/private targets only when allowed.
+    allow_private_addresses: bool = False
+
+
 def _default_policies() -> dict[str, BatchPolicy]:
     return {
         "text": BatchPolicy(max_batch_size=32, max_wait_s=0.05, token_budget=65536),
@@ -140,3 +167,5 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     batch: dict[str, BatchPolicy] = Field(default_factory=_default_policies)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    webhooks: WebhookSettings = Field(default_factory=WebhookSettings)

@@ -58,6 +58,32 @@ class Keys:
         base = f"{self.prefix}.{modality}"
         return base if lane == "bulk" else f"{base}.{lane}"
 
+    def job_queue(self, modality: str, job_id: str) -> str:
+        """A bulk job's own list: workers share out batches fairly across jobs."""
+        return f"{self.prefix}.{modality}.job.{job_id}"
+
+    def active_jobs(self, modality: str) -> str:
+        """Set of a class's job lists that may hold messages (fair-share members)."""
+        return f"{self.prefix}.{modality}:active"
+
+    def job_errors(self, job_id: str) -> str:
+        """Hash line number -> invalid-line record of a bulk submission."""
+        return f"{self.prefix}:job:{job_id}:errors"
+
+    def job_expiry(self) -> str:
+        """Sorted set job id -> completion deadline."""
+        return f"{self.prefix}:jobs:expiry"
+
+    def events(self) -> str:
+        """List of job-finished events waiting for their webhook."""
+        return f"{self.prefix}:events"
+
+    def events_processing(self) -> str:
+        return f"{self.prefix}:events:processing"
+
+    def files(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
     def task(self, task_id: str) -> str:
         return f"{self.prefix}:task:{task_id}"
 

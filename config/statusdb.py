@@ -24,10 +24,29 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "running": ("running", "succeeded", "failed", "cancelled", "expired"),
 }
 
+# Shared Lua: a sealed job (submission complete) whose every task is terminal
+# is finished once: finished_at is set and an event queued for its webhook.
+_FINISH_CHECK = """
+local function finish_check(jobkey, job, now, events)
+  local f = redis.call('HMGET', jobkey, 'sealed', 'total', 'succeeded', 'failed',
+                       'cancelled', 'expired', 'finished_at')
+  if f[1] ~= '1' or f[7] then return end
+  local done = (tonumber(f[3]) or 0) + (tonumber(f[4]) or 0)
+             + (tonumber(f[5]) or 0) + (tonumber(f[6]) or 0)
+  if done >= (tonumber(f[2]) or 0) then
+    redis.call('HSET', jobkey, 'finished_at', now)
+    redis.call('LPUSH', events, job)
+  end
+end
+"""
+
 # KEYS[1] task hash; ARGV[1] new state, ARGV[2] job key prefix, ARGV[3] allowed
-# from-states ("," separated, "-" = absent), ARGV[4..] field/value pairs.
+# from-states ("," separated, "-" = absent), ARGV[4] now, ARGV[5] events list,
+# ARGV[6..] field/value pairs.
 # Returns the previous state ("" if none) and 1 if the move happened, else 0.
-_TRANSITION = """
+_TRANSITION = (
+    _FINISH_CHECK
+    + """
 local current = redis.call('HGET', KEYS[1], 'state') or ''
 local allowed = false
 for from in string.gmatch(ARGV[3], '([^,]+)') do
@@ -35,17 +54,30 @@ for from in string.gmatch(ARGV[3], '([^,]+)') do
 end
 if not allowed then return {current, 0} end
 local fields = {}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
 redis.call('HSET', KEYS[1], 'state', ARGV[1])
 local job = redis.call('HGET', KEYS[1], 'job_id')
-if job and job ~= '' and current ~= ARGV[1] then
+if job and job ~= '' and current ~= ARGV[1]
+   and redis.call('HGET', KEYS[1], 'superseded') ~= '1' then
   local jobkey = ARGV[2] .. job
   if current ~= '' then redis.call('HINCRBY', jobkey, current, -1) end
   redis.call('HINCRBY', jobkey, ARGV[1], 1)
+  finish_check(jobkey, job, ARGV[4], ARGV[5])
 end
 return {current, 1}
 """
+)
+
+# KEYS[1] job hash; ARGV[1] job id, ARGV[2] now, ARGV[3] events list, ARGV[4] lines.
+_SEAL = (
+    _FINISH_CHECK
+    + """
+redis.call('HSET', KEYS[1], 'sealed', '1', 'lines', ARGV[4])
+finish_check(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+return 1
+"""
+)
 
 
 def _allowed_from(new_state: str) -> str:
@@ -65,6 +97,7 @@ class StatusDB:
         self.keys = keys or Keys()
         self.ttl_s = ttl_s
         self._transition = client.register_script(_TRANSITION)
+        self._seal = client.register_script(_SEAL)
 
     # writes --------------------------------------------------------------
     def queue_task_fields(self, fields: Mapping[str, Any]) -> dict[str, str]:
@@ -72,18 +105,24 @@ class StatusDB:
         base = {"state": TaskState.QUEUED.value, "created_at": now, "queued_at": now}
         return {**base, **{k: "" if v is None else str(v) for k, v in fields.items()}}
 
-    def add_queued(self, pipe: Any, task_id: str, fields: Mapping[str, Any]) -> None:
+    def add_queued(
+        self, pipe: Any, task_id: str, fields: Mapping[str, Any], count_job: bool = True
+    ) -> None:
         """Record a new queued task inside the caller's pipeline (with the publish)."""
         key = self.keys.task(task_id)
         pipe.hset(key, mapping=self.queue_task_fields(fields))
         pipe.expire(key, self.ttl_s)
         job_id = fields.get("job_id")
-        if job_id:
-            job = self.keys.job(job_id)
-            pipe.hincrby(job, "total", 1)
-            pipe.hincrby(job, TaskState.QUEUED.value, 1)
-            pipe.expire(job, self.ttl_s)
-            pipe.expire(self.keys.job_tasks(job_id), self.ttl_s)
+        if job_id and count_job:
+            self.count_queued(pipe, str(job_id), 1)
+
+    def count_queued(self, pipe: Any, job_id: str, count: int) -> None:
+        """Add ``count`` new queued tasks to a job's counters."""
+        job = self.keys.job(job_id)
+        pipe.hincrby(job, "total", count)
+        pipe.hincrby(job, TaskState.QUEUED.value, count)
+        pipe.expire(job, self.ttl_s)
+        pipe.expire(self.keys.job_tasks(job_id), self.ttl_s)
 
     def transition(
         self,
@@ -103,7 +142,13 @@ class StatusDB:
             if only_from is not None
             else _allowed_from(new_state.value)
         )
-        argv: list[Any] = [new_state.value, f"{self.keys.job('')}", sources]
+        argv: list[Any] = [
+            new_state.value,
+            self.keys.job(""),
+            sources,
+            f"{time.time():.6f}",
+            self.keys.events(),
+        ]
         for name, value in (fields or {}).items():
             argv += [name, "" if value is None else str(value)]
         reply = self._transition(
@@ -113,10 +158,41 @@ class StatusDB:
             return "", False  # pipelined: the reply arrives with execute()
         return _text(reply[0]), bool(reply[1])
 
+    def open_job(
+        self,
+        job_id: str,
+        name: str | None = None,
+        expires_in_s: float | None = None,
+        webhook_url: str | None = None,
+    ) -> None:
+        """Create (or reopen, for a resubmission) a job; unsealed until submitted."""
+        key = self.keys.job(job_id)
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, "created_at", f"{now:.6f}")
+        pipe.hset(key, mapping={"job_id": job_id, "sealed": "0"})
+        pipe.hdel(key, "finished_at")
+        if name:
+            pipe.hset(key, "name", name)
+        if webhook_url:
+            pipe.hset(key, "webhook_url", webhook_url)
+        if expires_in_s:
+            pipe.hsetnx(key, "expires_at", f"{now + expires_in_s:.3f}")
+            pipe.zadd(self.keys.job_expiry(), {job_id: now + expires_in_s}, nx=True)
+        pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    def seal_job(self, job_id: str, lines: int = 0) -> None:
+        """Submission complete: the job may now finish."""
+        self._seal(
+            keys=[self.keys.job(job_id)],
+            args=[job_id, f"{time.time():.6f}", self.keys.events(), lines],
+        )
+
     # reads ---------------------------------------------------------------
     def task(self, task_id: str) -> dict[str, str]:
         raw = self.redis.hgetall(self.keys.task(task_id))
-        return _decode(raw) if raw else {"state": TaskState.UNKNOWN.value}
+        return _with_state(_decode(raw)) if raw else {"state": TaskState.UNKNOWN.value}
 
     def tasks(self, task_ids: Sequence[str], fields: Sequence[str] = ()) -> list[dict[str, str]]:
         """Status of many tasks in one pipelined round trip."""
@@ -130,7 +206,9 @@ class StatusDB:
         replies = pipe.execute()
         if fields:
             return [_fields(fields, values) for values in replies]
-        return [_decode(r) if r else {"state": TaskState.UNKNOWN.value} for r in replies]
+        return [
+            _with_state(_decode(r)) if r else {"state": TaskState.UNKNOWN.value} for r in replies
+        ]
 
     def states(self, task_ids: Sequence[str]) -> list[TaskState]:
         return [TaskState(t.get("state") or "unknown") for t in self.tasks(task_ids, ("state",))]
@@ -147,8 +225,15 @@ class StatusDB:
             "total": total,
             "counts": counts,
             "done": done,
-            "finished": total > 0 and done >= total,
+            "finished": bool(raw.get("finished_at")),
         }
+
+
+def _with_state(fields: dict[str, str]) -> dict[str, str]:
+    """A task enqueued by a plain ``send_task`` has a hash (its delivery count)
+    before its first transition: it is queued."""
+    fields.setdefault("state", TaskState.QUEUED.value)
+    return fields
 
 
 def _text(value: Any) -> str:

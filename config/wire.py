@@ -61,17 +61,24 @@ def list_for_priority(queue: str, priority: int) -> str:
 
 
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+_EMBED_JSON = json.dumps(_EMBED, separators=(",", ":"))
 
 
 def encode_message(
-    request: dict[str, Any],
+    request: dict[str, Any] | str,
     task_id: str,
     queue: str,
     priority: int = 0,
     expires: datetime | None = None,
 ) -> str:
-    """A Celery protocol-2 message body as kombu's Redis transport stores it."""
-    body = json.dumps([[], {"request": request}, _EMBED], separators=(",", ":"))
+    """A Celery protocol-2 message body as kombu's Redis transport stores it.
+
+    ``request`` may be given already serialised (``Request.model_dump_json``),
+    which saves re-encoding it on the bulk path.
+    """
+    request_json = request if isinstance(request, str) else json.dumps(request)
+    body = f'[[],{{"request":{request_json}}},{_EMBED_JSON}]'
     headers = {
         "lang": "py",
         "task": TASK_NAME,
@@ -109,7 +116,6 @@ def encode_message(
     return json.dumps(message, separators=(",", ":"))
 
 
-_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 def _parse_expires(value: Any) -> datetime | None:

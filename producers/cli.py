@@ -23,6 +23,11 @@ _COMMANDS = {
     "worker": "workers.cli:worker",
     "demo": "producers.demo:demo",
     "make-examples": "producers.examples:make_examples_command",
+    "submit": "producers.commands:submit",
+    "status": "producers.commands:status",
+    "results": "producers.commands:results",
+    "cancel": "producers.commands:cancel",
+    "serve": "producers.serve:serve",
 }
 
 

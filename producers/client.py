@@ -68,25 +68,49 @@ class Client:
         return self._store
 
     # enqueue -------------------------------------------------------------
-    def _enqueue(
+    def enqueue(
         self,
         pipe: Any,
-        request: Request,
+        requests: list[Request],
         lane: str = "bulk",
         expires: datetime | None = None,
     ) -> None:
-        queue = self.keys.queue(request.modality.value, lane)
-        fields = {
-            "job_id": request.job_id,
-            "custom_id": request.custom_id,
-            "modality": request.modality.value,
-            "queue": queue,
-            "expires_at": f"{expires.timestamp():.3f}" if expires else None,
-        }
-        self.status_db.add_queued(pipe, request.id, fields)
-        wire = request.model_dump(mode="json", exclude_none=True)
-        message = encode_message(wire, request.id, queue, expires=expires)
-        pipe.lpush(list_for_priority(queue, 0), message)
+        """Write status hashes, job counters and messages for ``requests`` into
+        the caller's pipeline: two commands per task, the rest per chunk."""
+        pushes: dict[str, list[str]] = {}
+        active: dict[str, set[str]] = {}
+        jobs: dict[str, int] = {}
+        for request in requests:
+            queue, per_job = self._queue_for(request, lane)
+            fields = {
+                "job_id": request.job_id,
+                "custom_id": request.custom_id,
+                "modality": request.modality.value,
+                "queue": queue,
+                "expires_at": f"{expires.timestamp():.3f}" if expires else None,
+            }
+            self.status_db.add_queued(pipe, request.id, fields, count_job=False)
+            wire = request.model_dump_json(exclude_none=True)
+            message = encode_message(wire, request.id, queue, expires=expires)
+            pushes.setdefault(list_for_priority(queue, 0), []).append(message)
+            if per_job:
+                active.setdefault(self.keys.active_jobs(request.modality.value), set()).add(queue)
+            if request.job_id:
+                jobs[request.job_id] = jobs.get(request.job_id, 0) + 1
+        for job_id, count in jobs.items():
+            self.status_db.count_queued(pipe, job_id, count)
+        for name, messages in pushes.items():
+            pipe.lpush(name, *messages)
+        # After the pushes, in the same transaction: a worker that finds a job
+        # list empty removes it from the set, so the order matters.
+        for key, queues in active.items():
+            pipe.sadd(key, *queues)
+
+    def _queue_for(self, request: Request, lane: str) -> tuple[str, bool]:
+        modality = request.modality.value
+        if lane == "bulk" and request.job_id is not None:
+            return self.keys.job_queue(modality, request.job_id), True
+        return self.keys.queue(modality, lane), False
 
     def submit(
         self,
@@ -100,7 +124,7 @@ class Client:
         request = as_request(conversation, **fields)
         expires = _expiry(expires_in_s)
         pipe = self.redis.pipeline(transaction=True)
-        self._enqueue(pipe, request, lane, expires)
+        self.enqueue(pipe, [request], lane, expires)
         pipe.execute()
         return request.id
 
@@ -121,26 +145,27 @@ class Client:
         """
         job_id = job_id or uuid.uuid4().hex
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
-        self.create_job(job_id, name=name, expires_in_s=expires_in_s)
+        self.open_job(job_id, name=name, expires_in_s=expires_in_s)
         expires = _expiry(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
-            pipe = self.redis.pipeline(transaction=False)
-            for request in batch:
-                self._enqueue(pipe, request, lane, expires)
+            pipe = self.redis.pipeline(transaction=True)
+            self.enqueue(pipe, batch, lane, expires)
             pipe.rpush(self.keys.job_tasks(job_id), *[r.id for r in batch])
             pipe.execute()
+        self.seal_job(job_id, lines=len(requests))
         return job_id
 
-    def create_job(
-        self, job_id: str, name: str | None = None, expires_in_s: float | None = None
+    def open_job(
+        self,
+        job_id: str,
+        name: str | None = None,
+        expires_in_s: float | None = None,
+        webhook_url: str | None = None,
     ) -> None:
-        fields = {"job_id": job_id, "created_at": f"{time.time():.6f}", "name": name or ""}
-        if expires_in_s:
-            fields["expires_at"] = f"{time.time() + expires_in_s:.3f}"
-        self.redis.hsetnx(self.keys.job(job_id), "created_at", fields["created_at"])
-        self.redis.hset(
-            self.keys.job(job_id), mapping={k: v for k, v in fields.items() if k != "created_at"}
-        )
+        self.status_db.open_job(job_id, name, expires_in_s, webhook_url)
+
+    def seal_job(self, job_id: str, lines: int = 0) -> None:
+        self.status_db.seal_job(job_id, lines)
 
     # status ----------------------------------------------------------------
     def status(self, task_or_job_id: str) -> dict[str, Any]:
@@ -179,6 +204,7 @@ class Client:
     def cancel(self, task_or_job_id: str) -> int:
         """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
         if self.redis.exists(self.keys.job(task_or_job_id)):
+            self.redis.hset(self.keys.job(task_or_job_id), "cancel_requested", "1")
             ids: Iterable[str] = self.job_task_ids(task_or_job_id)
         else:
             ids = [task_or_job_id]

@@ -23,27 +23,53 @@ from config.wire import priority_lists
 
 __all__ = ["Delivery", "Intake"]
 
-# KEYS: inflight hash, leases zset, origin-queue hash, then queue lists in
-# priority order. ARGV: max count, lease deadline, task key prefix.
+# KEYS: inflight hash, leases zset, origin-queue hash, then the class's fixed
+# lists: first the interactive lane (priority order), then the plain bulk queue
+# (priority order). ARGV: max count, lease deadline, task key prefix, number of
+# interactive lists, active-jobs set key.
+# The interactive lane is drained first. The rest is shared round robin, one
+# message per member per round, between the plain bulk queue and every bulk
+# job's own list, so one million-line job cannot starve a second one.
 _POP = """
 local out = {}
 local limit = tonumber(ARGV[1])
-for i = 4, #KEYS do
-  while #out < limit do
-    local raw = redis.call('RPOP', KEYS[i])
-    if not raw then break end
-    local ok, msg = pcall(cjson.decode, raw)
-    local id
-    if ok and type(msg) == 'table' and type(msg.headers) == 'table' and msg.headers.id then
-      id = tostring(msg.headers.id)
-    else
-      id = 'invalid-' .. redis.sha1hex(raw)
+local function take(list)
+  local raw = redis.call('RPOP', list)
+  if not raw then return false end
+  local ok, msg = pcall(cjson.decode, raw)
+  local id
+  if ok and type(msg) == 'table' and type(msg.headers) == 'table' and msg.headers.id then
+    id = tostring(msg.headers.id)
+  else
+    id = 'invalid-' .. redis.sha1hex(raw)
+  end
+  redis.call('HSET', KEYS[1], id, raw)
+  redis.call('ZADD', KEYS[2], ARGV[2], id)
+  redis.call('HSET', KEYS[3], id, list)
+  local n = redis.call('HINCRBY', ARGV[3] .. id, 'deliveries', 1)
+  out[#out + 1] = {id, raw, n}
+  return true
+end
+local first = 4 + tonumber(ARGV[4])
+for i = 4, first - 1 do
+  while #out < limit and take(KEYS[i]) do end
+end
+local plain = {}
+for i = first, #KEYS do plain[#plain + 1] = KEYS[i] end
+local jobs = redis.call('SMEMBERS', ARGV[5])
+local progress = true
+while #out < limit and progress do
+  progress = false
+  for _, list in ipairs(plain) do
+    if take(list) then progress = true break end
+  end
+  for _, list in ipairs(jobs) do
+    if #out >= limit then break end
+    if take(list) then
+      progress = true
+    elseif redis.call('LLEN', list) == 0 then
+      redis.call('SREM', ARGV[5], list)
     end
-    redis.call('HSET', KEYS[1], id, raw)
-    redis.call('ZADD', KEYS[2], ARGV[2], id)
-    redis.call('HSET', KEYS[3], id, KEYS[i])
-    local n = redis.call('HINCRBY', ARGV[3] .. id, 'deliveries', 1)
-    out[#out + 1] = {id, raw, n}
   end
 end
 return out
@@ -76,6 +102,8 @@ for _, id in ipairs(ids) do
   local queue = redis.call('HGET', KEYS[3], id)
   if raw and queue then
     redis.call('RPUSH', queue, raw)
+    local base = string.match(queue, '^(.-)%.job%.')
+    if base then redis.call('SADD', base .. ':active', queue) end
     moved = moved + 1
   end
   redis.call('HDEL', KEYS[1], id)
@@ -98,11 +126,22 @@ class Delivery:
 class Intake:
     """Pull, lease, acknowledge and requeue messages of some queues."""
 
-    def __init__(self, client: redis.Redis, queues: Sequence[str], keys: Keys | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        queues: Sequence[str],
+        keys: Keys | None = None,
+        first: Sequence[str] = (),
+        active_jobs: str | None = None,
+    ):
+        """``first`` queues are drained before ``queues`` and the active job lists
+        (the interactive lane); ``active_jobs`` names the set of bulk job lists."""
         self.redis = client
         self.keys = keys or Keys()
-        # Each queue's priority lists, highest first; earlier queues first.
-        self.lists = [name for queue in queues for name in priority_lists(queue)]
+        self.first = [name for queue in first for name in priority_lists(queue)]
+        self.plain = [name for queue in queues for name in priority_lists(queue)]
+        self.lists = self.first + self.plain
+        self.active_jobs = active_jobs or f"{self.keys.prefix}:no-jobs"
         self._pop = client.register_script(_POP)
         self._ack = client.register_script(_ACK)
         self._requeue = client.register_script(_REQUEUE)
@@ -114,7 +153,13 @@ class Intake:
         """Atomically move up to ``limit`` messages into this worker's hands."""
         rows: Any = self._pop(
             keys=[*self._bookkeeping(), *self.lists],
-            args=[limit, f"{lease_until:.3f}", self.keys.task("")],
+            args=[
+                limit,
+                f"{lease_until:.3f}",
+                self.keys.task(""),
+                len(self.first),
+                self.active_jobs,
+            ],
         )
         return [Delivery(_text(r[0]), _text(r[1]), int(r[2])) for r in rows]
 
@@ -138,8 +183,10 @@ class Intake:
         return int(self._requeue(keys=self._bookkeeping(), args=[f"{now:.3f}", limit]))
 
     def depth(self) -> int:
+        """Messages waiting in this class's lists, job lists included."""
+        jobs = [_text(j) for j in self.redis.smembers(self.active_jobs)]
         pipe = self.redis.pipeline(transaction=False)
-        for name in self.lists:
+        for name in [*self.lists, *jobs]:
             pipe.llen(name)
         return int(sum(pipe.execute()))
 

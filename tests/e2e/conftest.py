@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,53 @@ def vlmq(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.
         env={**os.environ, **(env or {})},
         **kwargs,
     )
+
+
+@pytest.fixture
+def fleet_env(redis_server, moto_server, tmp_path, request):
+    bucket = f"fleet-{abs(hash(request.node.name)) % 10**8}"
+    moto_server.s3().create_bucket(Bucket=bucket)
+    env = {
+        "VLMQ_REDIS_URL": redis_server.url,
+        "VLMQ_RESULTS_URL": f"s3://{bucket}/results",
+        "VLMQ_S3_ENDPOINT_URL": moto_server.endpoint,
+        "VLMQ_FLEET__LEASE_S": "3",
+        "VLMQ_FLEET__REAP_INTERVAL_S": "0.5",
+        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(tmp_path)]),
+        "VLMQ_ENGINE__TORCH_THREADS": "1",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+    }
+    return env
+
+
+class Fleet:
+    """Worker processes a test can start, kill -9 and stop."""
+
+    def __init__(self, env):
+        self.env = env
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        proc = vlmq(
+            "worker",
+            *args,
+            env={**self.env, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def fleet(fleet_env):
+    running = Fleet(fleet_env)
+    yield running
+    running.stop()

@@ -4,39 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-
-import pytest
 
 from config.results import result_key
 from config.settings import Settings
 from config.status import Keys
 from producers.client import Client
-from tests.e2e.conftest import vlmq
 from tests.support.services import wait_until
 from workers.samples import save_image, save_video
 
 
 def _policy(size: int, wait: float = 0.05) -> dict:
     return {"max_batch_size": size, "max_wait_s": wait, "token_budget": 10**6}
-
-
-@pytest.fixture
-def fleet_env(redis_server, moto_server, tmp_path, request):
-    bucket = f"fleet-{abs(hash(request.node.name)) % 10**8}"
-    moto_server.s3().create_bucket(Bucket=bucket)
-    env = {
-        "VLMQ_REDIS_URL": redis_server.url,
-        "VLMQ_RESULTS_URL": f"s3://{bucket}/results",
-        "VLMQ_S3_ENDPOINT_URL": moto_server.endpoint,
-        "VLMQ_FLEET__LEASE_S": "3",
-        "VLMQ_FLEET__REAP_INTERVAL_S": "0.5",
-        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(tmp_path)]),
-        "VLMQ_ENGINE__TORCH_THREADS": "1",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-    }
-    return env
 
 
 def _client(env) -> Client:
@@ -47,38 +25,6 @@ def _client(env) -> Client:
             s3_endpoint_url=env["VLMQ_S3_ENDPOINT_URL"],
         )
     )
-
-
-class Fleet:
-    """Worker processes a test can start, kill -9 and stop."""
-
-    def __init__(self, env):
-        self.env = env
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        proc = vlmq(
-            "worker",
-            *args,
-            env={**self.env, **(env or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def stop(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(10)
-
-
-@pytest.fixture
-def fleet(fleet_env):
-    running = Fleet(fleet_env)
-    yield running
-    running.stop()
 
 
 def _ready(client: Client, count: int) -> bool:
@@ -156,18 +102,29 @@ NOOP = ("--modality", "text", "--engine", "noop")
 BATCH16 = {"VLMQ_BATCH": json.dumps({m: _policy(16) for m in ("text", "image", "video")})}
 
 
+def _in_engine(client: Client, ids: list[str], worker: str) -> bool:
+    """Some request is inside ``worker``'s engine right now (running, attempted)."""
+    fields = ("state", "attempts", "worker")
+    return any(
+        s.get("state") == "running" and s.get("worker") == worker and s.get("attempts")
+        for s in client.status_db.tasks(ids, fields)
+    )
+
+
 def test_kill9_mid_batch_loses_nothing_and_duplicates_nothing(fleet, fleet_env):
     client = _client(fleet_env)
     job = _submit_text(client, 240)
-    env = {**BATCH16}
-    for _ in range(2):  # kill -9 twice while a batch is running, then restart
-        worker = fleet.start(*NOOP, "--noop-delay", "0.4", env=env)
+    ids = list(client.job_task_ids(job))
+    for name in ("victim-1", "victim-2"):  # kill -9 twice inside a batch, then restart
+        worker = fleet.start(
+            *NOOP, "--noop-delay", "0.4", "--no-celery", "--name", name, env=BATCH16
+        )
         wait_until(
-            lambda: client.status(job)["counts"]["running"] > 0, timeout=60, what="a running batch"
+            lambda n=name: _in_engine(client, ids, n), timeout=60, what="a batch inside the engine"
         )
         worker.send_signal(signal.SIGKILL)
         worker.wait(10)
-    fleet.start(*NOOP, "--noop-delay", "0.05", env=env)
+    fleet.start(*NOOP, "--noop-delay", "0.05", env=BATCH16)
     wait_until(lambda: _job_finished(client, job), timeout=120, what="job after kills")
     status = client.status(job)
     assert status["counts"] == {
@@ -178,10 +135,9 @@ def test_kill9_mid_batch_loses_nothing_and_duplicates_nothing(fleet, fleet_env):
         "cancelled": 0,
         "expired": 0,
     }
-    ids = list(client.job_task_ids(job))
     assert sorted(client.store.keys(job)) == sorted(result_key(i, job) for i in ids)
     attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
-    assert max(attempts) >= 2  # some were delivered again after a kill
+    assert max(attempts) >= 2  # the killed batches ran again
     assert client.redis.hlen(Keys().inflight()) == 0
 
 

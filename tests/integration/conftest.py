@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from config.settings import BatchPolicy, Settings
 from tests.support.services import MotoServer, RedisServer
 
 
@@ -21,3 +22,18 @@ def moto_server():
     server = MotoServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def settings(redis_server, moto_server, request):
+    bucket = f"results-{abs(hash(request.node.name)) % 10**8}"
+    moto_server.s3().create_bucket(Bucket=bucket)
+    return Settings(
+        redis_url=redis_server.url,
+        results_url=f"s3://{bucket}/runs",
+        s3_endpoint_url=moto_server.endpoint,
+        batch={
+            m: BatchPolicy(max_batch_size=8, max_wait_s=0.02, token_budget=10**6)
+            for m in ("text", "image", "video")
+        },
+    )

@@ -12,7 +12,6 @@ from celery import Celery
 
 from config.results import open_store
 from config.schemas import Request, Result
-from config.settings import BatchPolicy, Settings
 from config.status import Keys, TaskState
 from config.wire import decode_message
 from producers.client import Client
@@ -60,21 +59,6 @@ def _conversation(kind: str, n: int):
         return [{"role": "user", "content": f"question {n}"}]
     part = {"type": kind, kind: f"/media/{n}.{'png' if kind == 'image' else 'mp4'}"}
     return [{"role": "user", "content": [part, {"type": "text", "text": f"q{n}"}]}]
-
-
-@pytest.fixture
-def settings(redis_server, moto_server, request):
-    bucket = f"results-{abs(hash(request.node.name)) % 10**8}"
-    moto_server.s3().create_bucket(Bucket=bucket)
-    return Settings(
-        redis_url=redis_server.url,
-        results_url=f"s3://{bucket}/runs",
-        s3_endpoint_url=moto_server.endpoint,
-        batch={
-            m: BatchPolicy(max_batch_size=8, max_wait_s=0.02, token_budget=10**6)
-            for m in ("text", "image", "video")
-        },
-    )
 
 
 def _loop(settings, engine, modalities=("text", "image", "video"), **config):
@@ -261,7 +245,7 @@ def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
 def test_redelivered_requests_run_alone(settings):
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(6)])
-    intake = Intake(client.redis, ["vlmq.text"])
+    intake = Intake(client.redis, ["vlmq.text"], active_jobs=Keys().active_jobs("text"))
     for delivery in intake.pull(3, time.time() - 1):  # three ran on a worker that died
         client.redis.hincrby(Keys().task(delivery.task_id), "attempts", 1)
     intake.reap(time.time())
@@ -287,3 +271,17 @@ def test_validation_errors_name_the_field_and_enqueue_nothing(settings):
         client.submit_many([good, bad])
     assert "item 1" in info.value.message and "messages" in info.value.message
     assert client.redis.llen("vlmq.text") == 0
+
+
+def test_bulk_jobs_share_workers_fairly_and_interactive_goes_first(settings):
+    client = Client(settings)
+    big = client.submit_many([_conversation("text", n) for n in range(200)])
+    small = client.submit_many([_conversation("text", n) for n in range(16)])
+    urgent = [client.submit(_conversation("text", n)) for n in range(3)]
+    engine = RecordingEngine(delay_s=0.01)
+    with Running(_loop(settings, engine)):
+        wait_until(lambda: _job_done(client, small), what="the small job")
+        big_done = client.status(big)["done"]
+    assert engine.ran[:3] == urgent  # the interactive lane is served first
+    assert big_done <= 40, big_done  # the small job did not wait behind the big one
+    assert client.redis.smembers(Keys().active_jobs("text")) <= {f"vlmq.text.job.{big}".encode()}

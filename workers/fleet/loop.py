@@ -24,11 +24,12 @@ from config.errors import DeadLettered, Expired, InvalidRequest, PermanentError,
 from config.jsonl import describe_validation_error
 from config.results import ResultStore
 from config.schemas import Request, Result
-from config.settings import BatchPolicy
+from config.settings import BatchPolicy, WebhookSettings
 from config.status import TERMINAL, Keys, TaskState
 from config.statusdb import StatusDB
 from config.wire import TaskMessage, WireError, decode_message
 from workers.fleet.settle import Settler
+from workers.fleet.webhooks import WebhookSender
 from workers.intake import Delivery, Intake
 
 __all__ = ["BatchLoop", "LoopConfig"]
@@ -54,7 +55,7 @@ class LoopConfig:
     idle_sleep_s: tuple[float, float] = (0.005, 0.1)
     upload_threads: int = 8
     max_settle_backlog: int = 256
-    lanes: tuple[str, ...] = ("interactive", "bulk")
+    webhooks: WebhookSettings = field(default_factory=WebhookSettings)
 
 
 @dataclass
@@ -89,7 +90,13 @@ class BatchLoop:
         self.keys = keys or Keys()
         self.status = StatusDB(client, self.keys)
         self.intakes = {
-            m: Intake(client, [self.keys.queue(m, lane) for lane in config.lanes], self.keys)
+            m: Intake(
+                client,
+                [self.keys.queue(m, "bulk")],
+                self.keys,
+                first=[self.keys.queue(m, "interactive")],
+                active_jobs=self.keys.active_jobs(m),
+            )
             for m in config.modalities
         }
         self.reaper = next(iter(self.intakes.values()))
@@ -98,6 +105,7 @@ class BatchLoop:
         self.settler = Settler(
             store, self.status, self.reaper, self._release, threads=config.upload_threads
         )
+        self.webhooks = WebhookSender(client, self.keys, config.webhooks)
         self.stop_event = threading.Event()
         self.batch_started: float | None = None
         self.batches_done = 0
@@ -129,12 +137,46 @@ class BatchLoop:
         return True
 
     def reap(self) -> None:
+        """Housekeeping any worker does: redeliveries, job expiry, webhooks."""
         now = time.time()
         if now - self._last_reap >= self.config.reap_interval_s:
             self._last_reap = now
             moved = self.reaper.reap(now)
             if moved:
                 log.warning("requeued %d messages whose worker stopped renewing", moved)
+            self.expire_jobs(now)
+            self.webhooks.poll()
+
+    def expire_jobs(self, now: float) -> int:
+        """Tasks of jobs past their completion window that never started: expired."""
+        due = self.status.redis.zrangebyscore(self.keys.job_expiry(), "-inf", now, 0, 10)
+        expired = 0
+        for raw in due:
+            job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            expired += self._expire_job(job_id)
+            self.status.redis.zrem(self.keys.job_expiry(), job_id)
+        return expired
+
+    def _expire_job(self, job_id: str) -> int:
+        fields = {
+            "finished_at": f"{time.time():.6f}",
+            "error_code": "expired",
+            "error_message": "the job's completion window ended before it ran",
+        }
+        expired, start, page = 0, 0, 5000
+        while ids := self.status.redis.lrange(self.keys.job_tasks(job_id), start, start + page - 1):
+            pipe = self.status.redis.pipeline(transaction=False)
+            for task_id in ids:
+                self.status.transition(
+                    _decoded(task_id),
+                    TaskState.EXPIRED,
+                    fields,
+                    client=pipe,
+                    only_from=[TaskState.QUEUED],
+                )
+            expired += sum(1 for _, moved in pipe.execute() if int(moved))
+            start += page
+        return expired
 
     # the loop --------------------------------------------------------------
     def run_forever(self) -> None:
@@ -182,8 +224,7 @@ class BatchLoop:
     def _serve(self, modality: str, deliveries: list[Delivery]) -> None:
         work = self._decode(_unique(deliveries))
         self._load_status(work)
-        runnable = [w for w in work if self._admit(w)]
-        runnable = [w for w in runnable if self._start(w)]
+        runnable = self._start_all([w for w in work if self._admit(w)])
         if not runnable:
             return
         self.batch_started = time.monotonic()
@@ -250,22 +291,31 @@ class BatchLoop:
         deadline = _float(item.status.get("expires_at"))
         return deadline is not None and deadline <= time.time()
 
-    def _start(self, item: _Work) -> bool:
-        request = item.request
-        assert request is not None
-        item.status["started_at"] = f"{time.time():.6f}"
-        fields = {
-            "started_at": item.status["started_at"],
-            "worker": self.config.worker,
-            "modality": request.modality.value,
-        }
-        if not item.status.get("job_id") and request.job_id:
-            fields["job_id"] = request.job_id
-        _, moved = self.status.transition(item.delivery.task_id, TaskState.RUNNING, fields)
-        if not moved:  # cancelled or expired since it was pulled
-            self.settler.intake.ack([item.delivery.task_id])
-            self._release([item.delivery.task_id])
-        return moved
+    def _start_all(self, work: list[_Work]) -> list[_Work]:
+        """Move every admitted request to running in one round trip; those that
+        were cancelled or expired since they were pulled are acknowledged."""
+        pipe = self.status.redis.pipeline(transaction=False)
+        now = f"{time.time():.6f}"
+        for item in work:
+            request = item.request
+            assert request is not None
+            item.status["started_at"] = now
+            fields = {
+                "started_at": now,
+                "worker": self.config.worker,
+                "modality": request.modality.value,
+            }
+            if not item.status.get("job_id") and request.job_id:
+                fields["job_id"] = request.job_id
+            self.status.transition(item.delivery.task_id, TaskState.RUNNING, fields, client=pipe)
+        started = []
+        for item, (_, moved) in zip(work, pipe.execute(), strict=True):
+            if int(moved):
+                started.append(item)
+            else:
+                self.settler.intake.ack([item.delivery.task_id])
+                self._release([item.delivery.task_id])
+        return started
 
     def _count_attempt(self, group: list[_Work]) -> None:
         pipe = self.status.redis.pipeline(transaction=False)
@@ -356,6 +406,11 @@ class BatchLoop:
             self.reaper.requeue(leftover)
             self._release(leftover)
         self.settler.close()
+        self.webhooks.close()
+
+
+def _decoded(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _unique(deliveries: list[Delivery]) -> list[Delivery]:

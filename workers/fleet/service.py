@@ -72,6 +72,7 @@ class WorkerService:
             max_deliveries=fleet.max_deliveries,
             batch_time_limit_s=fleet.batch_time_limit_s,
             upload_threads=fleet.upload_threads,
+            webhooks=self.settings.webhooks,
         )
         self.loop = BatchLoop(config, self.engine, client, store, self.keys)
         return self

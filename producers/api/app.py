@@ -1,0 +1,77 @@
+"""The HTTP API application: ``create_app(settings)`` builds it, ``vlmq serve`` runs it.
+
+Producer side only: it imports nothing from ``workers`` and never torch.
+Request flow: metrics → gate (API key, rate limit, body cap) → routes, each
+answering errors as ``{"error": {"code", "message"}}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+from fastapi import Depends, FastAPI
+
+from config.settings import Settings
+from producers.api import health, jobs, openai_batches, tasks
+from producers.api.auth import bearer_scheme
+from producers.api.batches import BatchService
+from producers.api.context import ApiContext, context
+from producers.api.errors import install_error_handlers
+from producers.api.files import FileRegistry
+from producers.api.gate import Gate
+from producers.api.limits import RateLimiter
+from producers.api.metrics import MetricsMiddleware
+from producers.client import Client
+
+__all__ = ["create_app"]
+
+
+def _client(settings: Settings) -> Client:
+    # Bounded socket timeouts: a hung Redis must fail a request, not hold it.
+    timeout = settings.fleet.redis_socket_timeout_s
+    connection = redis.Redis.from_url(
+        settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    return Client(settings, client=connection)
+
+
+def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
+    ctx = ApiContext(
+        settings=settings,
+        client=client or _client(settings),
+        limiter=RateLimiter(settings.api.rate_limit_per_s, settings.api.rate_limit_burst),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Unfinished background work resumes elsewhere (locks expire), so don't wait.
+        ctx.background.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="vlmq",
+        version="0.1.0",
+        summary="Batched vision-language-model inference on a vlmq worker fleet",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    app.state.files = FileRegistry(ctx.client)
+    app.state.batches = BatchService(ctx.client, app.state.files, ctx.background)
+    install_error_handlers(app)
+    secured = [Depends(bearer_scheme)]
+    for router in (tasks.router, jobs.router, openai_batches.router):
+        app.include_router(router, dependencies=secured)
+    app.include_router(health.router)
+    app.add_api_route("/metrics", _metrics, methods=["GET"], dependencies=secured)
+    # Added last = outermost: metrics see every answer, the gate's refusals too.
+    app.add_middleware(Gate, settings=settings.api, limiter=ctx.limiter)
+    app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
+    return app
+
+
+def _metrics(ctx: ApiContext = Depends(context)) -> dict[str, Any]:
+    """Request counts and latencies per route since the process started."""
+    return {"routes": ctx.metrics.snapshot()}

@@ -1,0 +1,82 @@
+"""The OpenAI side of a batch in Redis: its request fields, milestones and locks.
+
+The vlmq job (same id) holds the tasks and counters; this hash holds what the
+job does not know: the input file, the endpoint and window, metadata, when it
+was asked to cancel, and whether its output files are written. Short-lived
+lock keys make sure one API process at a time feeds or finalizes a batch.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from producers.client import Client
+
+__all__ = ["BatchRecords", "new_batch_id", "valid_batch_id"]
+
+_BATCH_ID = re.compile(r"^batch_[A-Za-z0-9]{1,64}$")
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex[:24]}"
+
+
+def valid_batch_id(batch_id: str) -> bool:
+    return bool(_BATCH_ID.match(batch_id))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class BatchRecords:
+    def __init__(self, client: Client) -> None:
+        self.redis = client.redis
+        self.prefix = client.keys.prefix
+        self.ttl_s = client.settings.fleet.task_ttl_s
+        self.index = f"{self.prefix}:batches"
+
+    def key(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def create(self, batch_id: str, fields: dict[str, str]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.key(batch_id), mapping={k: v for k, v in fields.items()})
+        pipe.expire(self.key(batch_id), self.ttl_s)
+        pipe.zadd(self.index, {batch_id: time.time()})
+        pipe.execute()
+
+    def get(self, batch_id: str) -> dict[str, str] | None:
+        if not valid_batch_id(batch_id):
+            return None
+        raw = self.redis.hgetall(self.key(batch_id))
+        return {_text(k): _text(v) for k, v in raw.items()} if raw else None
+
+    def update(self, batch_id: str, **fields: Any) -> None:
+        self.redis.hset(self.key(batch_id), mapping={k: str(v) for k, v in fields.items()})
+
+    def mark_once(self, batch_id: str, field: str) -> None:
+        """Record when a milestone was first reached (later calls keep the first time)."""
+        self.redis.hsetnx(self.key(batch_id), field, str(int(time.time())))
+
+    def has(self, batch_id: str, field: str) -> bool:
+        return bool(self.redis.hexists(self.key(batch_id), field))
+
+    # locks: one holder per (batch, activity); they expire if the holder dies.
+    def _lock(self, batch_id: str, what: str) -> str:
+        return f"{self.key(batch_id)}:{what}"
+
+    def acquire(self, batch_id: str, what: str, ttl_s: int) -> bool:
+        return bool(self.redis.set(self._lock(batch_id, what), "1", nx=True, ex=ttl_s))
+
+    def refresh(self, batch_id: str, what: str, ttl_s: int) -> None:
+        self.redis.expire(self._lock(batch_id, what), ttl_s)
+
+    def release(self, batch_id: str, what: str) -> None:
+        self.redis.delete(self._lock(batch_id, what))
+
+    def held(self, batch_id: str, what: str) -> bool:
+        return bool(self.redis.exists(self._lock(batch_id, what)))

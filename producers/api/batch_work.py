@@ -1,0 +1,173 @@
+"""The slow parts of a batch, run off the request thread.
+
+* **submit**: stream the uploaded file through ``submit_jsonl`` into the job.
+  A lock refreshed per chunk marks it alive; if the process dies mid-file the
+  lock expires and the next read of the batch starts it again, which is safe
+  because ``submit_jsonl`` skips custom_ids already enqueued. A cancel asked
+  for meanwhile stops it between chunks.
+* **finalize**: once the job is finished, write the OpenAI output file
+  (succeeded results) and error file (failed, cancelled or expired results and
+  invalid lines) in one pass over the results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+from config.errors import VlmqError
+from producers.api.batch_records import BatchRecords
+from producers.api.files import FileRegistry
+from producers.bulk import SubmitReport, submit_jsonl
+from producers.client import Client
+from producers.export import (
+    cancel_job,
+    iter_line_errors,
+    iter_results,
+    to_openai_error,
+    to_openai_output,
+)
+
+__all__ = ["SUBMIT_LOCK_S", "BatchWork", "output_file_ids"]
+
+log = logging.getLogger(__name__)
+
+# A chunk (2000 lines) takes well under this; a holder silent for longer died.
+SUBMIT_LOCK_S = 120
+FINALIZE_LOCK_S = 900
+
+
+class _CancelRequested(Exception):
+    """Raised between chunks to stop feeding a cancelled batch."""
+
+
+def output_file_ids(batch_id: str) -> tuple[str, str]:
+    return f"file-{batch_id}-output", f"file-{batch_id}-error"
+
+
+def _lines(data: bytes) -> Iterator[str]:
+    # Undecodable bytes become U+FFFD, so such a line fails alone as invalid JSON.
+    for raw in data.splitlines():
+        yield raw.decode("utf-8", errors="replace")
+
+
+def _window_s(window: str) -> float:
+    return float(window.removesuffix("h")) * 3600
+
+
+def _jsonl(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+class BatchWork:
+    def __init__(
+        self, client: Client, files: FileRegistry, records: BatchRecords, pool: Executor
+    ) -> None:
+        self.client = client
+        self.files = files
+        self.records = records
+        self.pool = pool
+
+    # submission --------------------------------------------------------------
+    def start_submission(self, batch_id: str) -> None:
+        """Feed the batch's file into its job, unless someone already does."""
+        if self.records.acquire(batch_id, "submitting", SUBMIT_LOCK_S):
+            self.pool.submit(self._submit_safely, batch_id)
+
+    def _submit_safely(self, batch_id: str) -> None:
+        try:
+            self._submit(batch_id)
+        except Exception as exc:  # a background thread: record it, never lose it
+            log.exception("batch %s: submission failed", batch_id)
+            self._fail(batch_id, exc)
+        finally:
+            self.records.release(batch_id, "submitting")
+
+    def _submit(self, batch_id: str) -> None:
+        record = self.records.get(batch_id)
+        if record is None or record.get("submitted_at"):
+            return
+        data = self.files.content(record["input_file_id"])
+        if data is None:
+            raise VlmqError("the input file could not be read")
+        report = SubmitReport(batch_id)
+
+        def progress(now: SubmitReport) -> None:
+            report.lines = now.lines
+            self.records.refresh(batch_id, "submitting", SUBMIT_LOCK_S)
+            if self.records.has(batch_id, "cancelling_at"):
+                raise _CancelRequested
+
+        try:
+            if self.records.has(batch_id, "cancelling_at"):
+                self.client.open_job(batch_id)  # cancelled before a line was read
+                raise _CancelRequested
+            submit_jsonl(
+                self.client,
+                _lines(data),
+                batch_id,
+                lane="bulk",
+                completion_window_s=_window_s(record["completion_window"]),
+                name=f"openai batch of {record['input_file_id']}",
+                on_progress=progress,
+            )
+        except _CancelRequested:
+            # The job must be sealed to finish; then cancel the last chunk too.
+            self.client.seal_job(batch_id, lines=report.lines)
+            cancel_job(self.client, batch_id)
+        self.records.mark_once(batch_id, "submitted_at")
+
+    def _fail(self, batch_id: str, exc: Exception) -> None:
+        message = exc.message if isinstance(exc, VlmqError) else "the batch could not be submitted"
+        code = exc.code if isinstance(exc, VlmqError) else "internal_error"
+        self.records.update(batch_id, error_code=code, error_message=message)
+        self.records.mark_once(batch_id, "failed_at")
+        if self.client.redis.exists(self.client.keys.job(batch_id)):
+            self.client.seal_job(batch_id)
+            cancel_job(self.client, batch_id)
+
+    # finalization ------------------------------------------------------------
+    def start_finalize(self, batch_id: str) -> None:
+        if self.records.acquire(batch_id, "finalizing", FINALIZE_LOCK_S):
+            self.records.mark_once(batch_id, "finalizing_at")
+            self.pool.submit(self._finalize_safely, batch_id)
+
+    def finalize_now(self, batch_id: str) -> bool:
+        """Write the files on this thread; False when another holder is at it."""
+        if not self.records.acquire(batch_id, "finalizing", FINALIZE_LOCK_S):
+            return False
+        self.records.mark_once(batch_id, "finalizing_at")
+        self._finalize_safely(batch_id)
+        return True
+
+    def _finalize_safely(self, batch_id: str) -> None:
+        try:
+            self._finalize(batch_id)
+        except Exception:
+            # Left unfinalized: the next read of the batch tries again.
+            log.exception("batch %s: writing the output files failed", batch_id)
+        finally:
+            self.records.release(batch_id, "finalizing")
+
+    def _finalize(self, batch_id: str) -> None:
+        output, errors = bytearray(), bytearray()
+        n_output = n_errors = 0
+        for result in iter_results(self.client, batch_id):
+            if result.get("status") == "succeeded":
+                output += _jsonl(to_openai_output(result))
+                n_output += 1
+            else:
+                errors += _jsonl(to_openai_error(result))
+                n_errors += 1
+        for line_error in iter_line_errors(self.client, batch_id):
+            errors += _jsonl(to_openai_error(line_error))
+            n_errors += 1
+        output_id, error_id = output_file_ids(batch_id)
+        self.files.create(bytes(output), f"{batch_id}_output.jsonl", "batch_output", output_id)
+        self.files.create(bytes(errors), f"{batch_id}_error.jsonl", "batch_output", error_id)
+        self.records.update(batch_id, output_count=n_output, error_count=n_errors)
+        self.records.update(batch_id, finalized_at=int(time.time()))

@@ -1,0 +1,240 @@
+"""OpenAI batches on top of vlmq jobs: create, read, cancel, list.
+
+A batch is a vlmq job with the same id. Its OpenAI status is read from the
+job summary each time, plus the batch record's own milestones: the file is
+still being fed in (``validating``), output files are being written
+(``finalizing``), or a cancel was asked for (``cancelling``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import Executor
+from itertools import islice
+from typing import Any
+
+from producers.api.batch_records import BatchRecords, new_batch_id
+from producers.api.batch_work import BatchWork, output_file_ids
+from producers.api.errors import ApiError
+from producers.api.files import FileRegistry, newest_first
+from producers.api.openai_models import (
+    BatchCreate,
+    BatchError,
+    BatchErrors,
+    BatchObject,
+    BatchStatus,
+    RequestCounts,
+)
+from producers.client import Client
+from producers.export import iter_line_errors, job_summary
+
+__all__ = ["BatchService"]
+
+_ENDPOINTS = {"/v1/chat/completions"}
+_WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
+_FINISHED = {"completed", "failed", "cancelled", "expired"}
+_MAX_METADATA = 16
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(float(value)) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+class BatchService:
+    def __init__(self, client: Client, files: FileRegistry, pool: Executor) -> None:
+        self.client = client
+        self.files = files
+        self.records = BatchRecords(client)
+        self.work = BatchWork(client, files, self.records, pool)
+
+    # create ------------------------------------------------------------------
+    def create(self, body: BatchCreate) -> BatchObject:
+        _check_body(body)
+        source = self.files.get(body.input_file_id)
+        if source is None:
+            raise ApiError(404, "not_found", "input_file_id: no such file")
+        if source.purpose != "batch":
+            raise ApiError(422, "invalid_request", "input_file_id: the file's purpose is not batch")
+        batch_id = new_batch_id()
+        fields = {
+            "id": batch_id,
+            "input_file_id": body.input_file_id,
+            "endpoint": body.endpoint,
+            "completion_window": body.completion_window,
+            "created_at": str(int(time.time())),
+            "metadata": json.dumps(body.metadata or {}),
+        }
+        self.records.create(batch_id, fields)
+        self.work.start_submission(batch_id)
+        return self.get(batch_id)
+
+    # read --------------------------------------------------------------------
+    def get(self, batch_id: str) -> BatchObject:
+        record = self.records.get(batch_id)
+        if record is None:
+            raise ApiError(404, "not_found", "no such batch")
+        return self._object(batch_id, record)
+
+    def _object(self, batch_id: str, record: dict[str, str]) -> BatchObject:
+        summary = job_summary(self.client, batch_id)
+        status = self._status(batch_id, record, summary)
+        created = int(record["created_at"])
+        window = int(record["completion_window"].removesuffix("h")) * 3600
+        metadata = json.loads(record.get("metadata") or "{}")
+        return BatchObject(
+            id=batch_id,
+            endpoint=record["endpoint"],
+            input_file_id=record["input_file_id"],
+            completion_window=record["completion_window"],
+            status=status,
+            created_at=created,
+            expires_at=created + window,
+            in_progress_at=_int(summary.get("created_at")),
+            cancelling_at=_int(record.get("cancelling_at")),
+            finalizing_at=_int(record.get("finalizing_at")),
+            **_closing_times(status, record),
+            **self._file_ids(batch_id, record),
+            request_counts=_counts(summary),
+            errors=self._errors(batch_id, status, record),
+            metadata=metadata or None,
+        )
+
+    def _status(
+        self, batch_id: str, record: dict[str, str], summary: dict[str, Any]
+    ) -> BatchStatus:
+        if record.get("failed_at"):
+            return "failed"
+        state = summary.get("state", "unknown")
+        cancelling = bool(record.get("cancelling_at"))
+        if state in ("unknown", "validating"):
+            if not record.get("submitted_at"):
+                self.work.start_submission(batch_id)  # resumes it if its feeder died
+            if cancelling:
+                return "cancelling"
+            return "in_progress" if summary.get("total") else "validating"
+        if state not in _FINISHED:
+            return "cancelling" if cancelling or state == "cancelling" else "in_progress"
+        if record.get("finalized_at"):
+            return "cancelled" if cancelling else _finished(state)
+        self.work.start_finalize(batch_id)
+        return "cancelling" if cancelling else "finalizing"
+
+    def _file_ids(self, batch_id: str, record: dict[str, str]) -> dict[str, str | None]:
+        output_id, error_id = output_file_ids(batch_id)
+        return {
+            "output_file_id": output_id if _int(record.get("output_count")) else None,
+            "error_file_id": error_id if _int(record.get("error_count")) else None,
+        }
+
+    def _errors(self, batch_id: str, status: str, record: dict[str, str]) -> BatchErrors | None:
+        """Why a batch failed: its submission error, or its first invalid lines."""
+        if status != "failed":
+            return None
+        if record.get("error_code"):
+            first = BatchError(code=record["error_code"], message=record.get("error_message"))
+            return BatchErrors(data=[first])
+        lines = islice(iter_line_errors(self.client, batch_id), 10)
+        data = [
+            BatchError(
+                code=(e.get("error") or {}).get("code"),
+                message=(e.get("error") or {}).get("message"),
+                line=e.get("line"),
+            )
+            for e in lines
+        ]
+        return BatchErrors(data=data)
+
+    def list(self, limit: int, after: str | None) -> tuple[list[BatchObject], bool]:
+        def load(batch_id: str) -> BatchObject | None:
+            record = self.records.get(batch_id)
+            return self._object(batch_id, record) if record else None
+
+        return newest_first(self.client, self.records.index, load, limit, after)
+
+    # cancel --------------------------------------------------------------------
+    def cancel(self, batch_id: str) -> BatchObject:
+        """Queued requests never run; running ones finish; the batch ends cancelled."""
+        batch = self.get(batch_id)
+        if batch.status in _FINISHED:
+            return batch
+        self.records.mark_once(batch_id, "cancelling_at")
+        if self.client.redis.exists(self.client.keys.job(batch_id)):
+            self.client.cancel(batch_id)
+        return self.get(batch_id)
+
+    # generated files -----------------------------------------------------------
+    def ensure_output(self, file_id: str) -> bool:
+        """Write a finished batch's output files now if they are asked for first.
+
+        Returns False when ``file_id`` is not a batch output file; raises 409
+        when its batch has not finished (or another process is writing them).
+        """
+        batch_id = _batch_of_output(file_id)
+        if batch_id is None or self.records.get(batch_id) is None:
+            return False
+        if self.files.get(file_id) is not None:
+            return True
+        record = self.records.get(batch_id) or {}
+        summary = job_summary(self.client, batch_id)
+        if summary.get("state") not in _FINISHED or record.get("failed_at"):
+            raise ApiError(409, "not_finished", "the batch has not finished yet")
+        if not self.work.finalize_now(batch_id) or self.files.get(file_id) is None:
+            raise ApiError(409, "not_finished", "the batch's files are being written")
+        return True
+
+
+def _check_body(body: BatchCreate) -> None:
+    if body.endpoint not in _ENDPOINTS:
+        raise ApiError(422, "invalid_request", "endpoint: only /v1/chat/completions is supported")
+    if not _WINDOW.match(body.completion_window):
+        raise ApiError(422, "invalid_request", 'completion_window: hours, e.g. "24h"')
+    metadata = body.metadata or {}
+    if len(metadata) > _MAX_METADATA or any(
+        len(k) > 64 or len(v) > 512 for k, v in metadata.items()
+    ):
+        raise ApiError(422, "invalid_request", "metadata: at most 16 pairs, keys ≤ 64 chars")
+
+
+def _finished(state: str) -> BatchStatus:
+    """A finished job state as an OpenAI status (the same words)."""
+    mapping: dict[str, BatchStatus] = {
+        "completed": "completed",
+        "failed": "failed",
+        "cancelled": "cancelled",
+        "expired": "expired",
+    }
+    return mapping[state]
+
+
+def _closing_times(status: str, record: dict[str, str]) -> dict[str, int | None]:
+    """The one closing timestamp that matches the final status."""
+    done = _int(record.get("finalized_at") or record.get("failed_at"))
+    names = {
+        "completed": "completed_at",
+        "failed": "failed_at",
+        "cancelled": "cancelled_at",
+        "expired": "expired_at",
+    }
+    return {names[status]: done} if status in names else {}
+
+
+def _counts(summary: dict[str, Any]) -> RequestCounts:
+    counts = summary.get("counts") or {}
+    invalid = int(summary.get("errors") or 0)
+    return RequestCounts(
+        total=int(summary.get("total") or 0) + invalid,
+        completed=int(counts.get("succeeded", 0)),
+        failed=int(counts.get("failed", 0)) + int(counts.get("expired", 0)) + invalid,
+    )
+
+
+def _batch_of_output(file_id: str) -> str | None:
+    for suffix in ("-output", "-error"):
+        if file_id.startswith("file-batch_") and file_id.endswith(suffix):
+            return file_id.removeprefix("file-").removesuffix(suffix)
+    return None

@@ -1,0 +1,107 @@
+"""Uploaded and generated files: bytes in the results store, metadata in Redis.
+
+Bytes go to ``files/{file_id}`` in the results store (S3 or a folder), so the
+API process holds no state of its own; the OpenAI File object is a Redis hash
+(``Keys.files``), and a sorted set by creation time lists them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from producers.api.openai_models import FileObject
+from producers.client import Client
+
+__all__ = ["FileRegistry", "new_file_id", "newest_first", "valid_file_id"]
+
+T = TypeVar("T")
+
+_FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{1,160}$")
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def valid_file_id(file_id: str) -> bool:
+    """Ids name store keys: only our own shape may reach the store."""
+    return bool(_FILE_ID.match(file_id))
+
+
+def _blob_key(file_id: str) -> str:
+    return f"files/{file_id}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class FileRegistry:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.index = f"{client.keys.prefix}:files"
+
+    def create(
+        self, data: bytes, filename: str, purpose: str, file_id: str | None = None
+    ) -> FileObject:
+        """Store the bytes first, then the metadata: a listed file always has content."""
+        file_id = file_id or new_file_id()
+        self.client.store.put_blob(_blob_key(file_id), data, "application/jsonl")
+        meta = {
+            "id": file_id,
+            "bytes": len(data),
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+        }
+        key = self.client.keys.files(file_id)
+        pipe = self.client.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={k: str(v) for k, v in meta.items()})
+        pipe.expire(key, self.client.settings.fleet.task_ttl_s)
+        pipe.zadd(self.index, {file_id: time.time()})
+        pipe.execute()
+        return _file_object(meta)
+
+    def get(self, file_id: str) -> FileObject | None:
+        if not valid_file_id(file_id):
+            return None
+        raw = self.client.redis.hgetall(self.client.keys.files(file_id))
+        if not raw:
+            return None
+        return _file_object({_text(k): _text(v) for k, v in raw.items()})
+
+    def content(self, file_id: str) -> bytes | None:
+        if not valid_file_id(file_id):
+            return None
+        return self.client.store.get_blob(_blob_key(file_id))
+
+    def list(self, limit: int, after: str | None = None) -> tuple[list[FileObject], bool]:
+        """Newest first; ``after`` is the last id of the previous page."""
+        return newest_first(self.client, self.index, self.get, limit, after)
+
+
+def _file_object(meta: dict[str, Any]) -> FileObject:
+    return FileObject(
+        id=meta["id"],
+        bytes=int(meta["bytes"]),
+        created_at=int(meta["created_at"]),
+        filename=meta["filename"],
+        purpose=meta["purpose"],
+    )
+
+
+def newest_first(
+    client: Client, index: str, load: Callable[[str], T | None], limit: int, after: str | None
+) -> tuple[list[T], bool]:
+    """One page of a newest-first sorted-set index, skipping entries that expired."""
+    start = 0
+    if after:
+        rank: Any = client.redis.zrevrank(index, after)
+        start = int(rank) + 1 if rank is not None else 0
+    ids: list[Any] = client.redis.zrevrange(index, start, start + limit)
+    objects = [o for o in (load(_text(i)) for i in ids[:limit]) if o is not None]
+    return objects, len(ids) > limit

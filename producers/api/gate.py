@@ -1,0 +1,112 @@
+"""The gate every request passes before any route runs: key, rate, body size.
+
+It is plain ASGI middleware, so an unauthenticated or rate-limited caller is
+turned away before a byte of its body is read, and the body cap is enforced
+while the body streams in (a lying or absent Content-Length does not help).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from config.settings import ApiSettings
+from producers.api.auth import is_public, principal_of
+from producers.api.errors import error_response
+from producers.api.limits import RateLimiter
+
+__all__ = ["Gate"]
+
+# Uploads have their own, larger cap (settings.api.max_file_bytes).
+_UPLOAD_PATHS = frozenset({"/v1/files"})
+
+
+class _BodyTooLarge(Exception):
+    """Raised from receive() once the body passes the cap."""
+
+
+class Gate:
+    def __init__(self, app: ASGIApp, settings: ApiSettings, limiter: RateLimiter) -> None:
+        self.app = app
+        self.settings = settings
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self._capped(scope, receive, send, self._body_cap(scope))
+
+    def _refusal(self, scope: Scope, headers: Headers) -> Any:
+        """The response turning this request away before its body, or None."""
+        if not is_public(scope["path"]):
+            caller = self._caller(scope, headers)
+            if caller is None:
+                return error_response(
+                    401,
+                    "unauthorized",
+                    "a valid API key is required (Authorization: Bearer <key>)",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+            wait = self.limiter.take(caller)
+            if wait > 0:
+                retry = str(max(1, math.ceil(min(wait, 3600))))
+                return error_response(
+                    429, "rate_limited", "too many requests", {"Retry-After": retry}
+                )
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._body_cap(scope):
+            return _too_large()
+        return None
+
+    def _caller(self, scope: Scope, headers: Headers) -> str | None:
+        if self.settings.api_keys:
+            return principal_of(headers.get("authorization"), self.settings.api_keys)
+        client = scope.get("client")
+        return f"addr:{client[0] if client else 'unknown'}"
+
+    def _body_cap(self, scope: Scope) -> int:
+        if scope["method"] == "POST" and scope["path"] in _UPLOAD_PATHS:
+            return self.settings.max_file_bytes
+        return self.settings.max_body_bytes
+
+    async def _capped(self, scope: Scope, receive: Receive, send: Send, cap: int) -> None:
+        read = 0
+        tripped = started = False
+
+        async def capped_receive() -> Message:
+            nonlocal read, tripped
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > cap:
+                    tripped = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if tripped:
+                return  # whatever the app made of the cut-off body; 413 follows
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, guarded_send)
+        except Exception:
+            if not tripped:  # not ours: the outer error handler answers it
+                raise
+        if tripped and not started:
+            await _too_large()(scope, receive, send)
+
+
+def _too_large() -> Any:
+    return error_response(413, "body_too_large", "the request body is too large")

@@ -1,0 +1,43 @@
+"""Jobs: progress and cancellation of a group of tasks (``POST /v1/tasks:batch``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel
+
+from producers.api.context import ApiContext, context
+from producers.api.errors import ApiError, error_responses
+from producers.export import cancel_job, job_summary
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+_ERRORS = error_responses(401, 404, 429, 503)
+
+
+class JobCancelled(BaseModel):
+    job_id: str
+    cancelled: int
+
+
+def _known_job(ctx: ApiContext, job_id: str) -> dict[str, Any]:
+    summary = job_summary(ctx.client, job_id)
+    if summary.get("state") == "unknown":
+        raise ApiError(404, "not_found", "no such job")
+    return summary
+
+
+@router.get("/jobs/{job_id}", responses=_ERRORS)
+def get_job(job_id: str, ctx: ApiContext = Depends(context)) -> dict[str, Any]:
+    """State, counts per task state, invalid lines, rate and ETA of a job."""
+    return _known_job(ctx, job_id)
+
+
+@router.post("/jobs/{job_id}/cancel", responses=_ERRORS)
+def cancel(job_id: str, ctx: ApiContext = Depends(context)) -> JobCancelled:
+    """Cancel every task of the job that is still queued; returns how many."""
+    _known_job(ctx, job_id)
+    return JobCancelled(job_id=job_id, cancelled=cancel_job(ctx.client, job_id))

@@ -1,0 +1,131 @@
+"""OpenAI-compatible files and batches: the official client works unchanged
+with ``base_url="http://host:port/v1"``.
+
+Routes stay thin: parse, call the registry or the batch service, answer the
+OpenAI object. Input files must have purpose ``batch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi.responses import Response
+
+from producers.api.batches import BatchService
+from producers.api.errors import ApiError, error_responses
+from producers.api.files import FileRegistry
+from producers.api.openai_models import BatchCreate, BatchList, BatchObject, FileList, FileObject
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_READ_ERRORS = error_responses(401, 404, 422, 429, 503)
+_WRITE_ERRORS = error_responses(401, 404, 413, 422, 429, 503)
+_BINARY: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+    }
+}
+
+
+def files_of(request: Request) -> FileRegistry:
+    registry: FileRegistry = request.app.state.files
+    return registry
+
+
+def batches_of(request: Request) -> BatchService:
+    service: BatchService = request.app.state.batches
+    return service
+
+
+# files -------------------------------------------------------------------------
+@router.post("/files", responses=_WRITE_ERRORS)
+def upload_file(
+    file: UploadFile = File(...),
+    purpose: str = Form(...),
+    files: FileRegistry = Depends(files_of),
+) -> FileObject:
+    """Upload a JSONL file of requests (purpose ``batch``)."""
+    if purpose != "batch":
+        raise ApiError(422, "invalid_request", "purpose: only batch is supported")
+    data = file.file.read()
+    filename = (file.filename or "input.jsonl")[:255]
+    return files.create(data, filename, purpose)
+
+
+@router.get("/files", responses=_READ_ERRORS)
+def list_files(
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = Query(None, max_length=200),
+    files: FileRegistry = Depends(files_of),
+) -> FileList:
+    data, more = files.list(limit, after)
+    return _file_page(data, more)
+
+
+def _file_page(data: list[FileObject], more: bool) -> FileList:
+    first, last = (data[0].id, data[-1].id) if data else (None, None)
+    return FileList(data=data, first_id=first, last_id=last, has_more=more)
+
+
+@router.get("/files/{file_id}", responses=_READ_ERRORS)
+def get_file(
+    file_id: str,
+    files: FileRegistry = Depends(files_of),
+    batches: BatchService = Depends(batches_of),
+) -> FileObject:
+    batches.ensure_output(file_id)
+    found = files.get(file_id)
+    if found is None:
+        raise ApiError(404, "not_found", "no such file")
+    return found
+
+
+@router.get(
+    "/files/{file_id}/content",
+    response_class=Response,
+    responses={**_BINARY, **error_responses(401, 404, 409, 429, 503)},
+)
+def file_content(
+    file_id: str,
+    files: FileRegistry = Depends(files_of),
+    batches: BatchService = Depends(batches_of),
+) -> Response:
+    """The uploaded input, or a finished batch's output or error file."""
+    batches.ensure_output(file_id)
+    if files.get(file_id) is None:
+        raise ApiError(404, "not_found", "no such file")
+    data = files.content(file_id)
+    if data is None:
+        raise ApiError(404, "not_found", "the file's content is missing from the store")
+    return Response(content=data, media_type="application/octet-stream")
+
+
+# batches -----------------------------------------------------------------------
+@router.post("/batches", responses=_WRITE_ERRORS)
+def create_batch(body: BatchCreate, batches: BatchService = Depends(batches_of)) -> BatchObject:
+    """Start a batch over an uploaded file; answers at once, the file is fed in behind."""
+    return batches.create(body)
+
+
+@router.get("/batches", responses=_READ_ERRORS)
+def list_batches(
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = Query(None, max_length=200),
+    batches: BatchService = Depends(batches_of),
+) -> BatchList:
+    data, more = batches.list(limit, after)
+    first, last = (data[0].id, data[-1].id) if data else (None, None)
+    return BatchList(data=data, first_id=first, last_id=last, has_more=more)
+
+
+@router.get("/batches/{batch_id}", responses=_READ_ERRORS)
+def get_batch(batch_id: str, batches: BatchService = Depends(batches_of)) -> BatchObject:
+    return batches.get(batch_id)
+
+
+@router.post("/batches/{batch_id}/cancel", responses=_READ_ERRORS)
+def cancel_batch(batch_id: str, batches: BatchService = Depends(batches_of)) -> BatchObject:
+    return batches.cancel(batch_id)

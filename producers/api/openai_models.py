@@ -1,0 +1,113 @@
+"""The OpenAI File and Batch objects, shaped so the official client parses them.
+
+Field names, types and literals follow ``openai.types.FileObject`` and
+``openai.types.Batch``; they also document the routes in /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "BatchCreate",
+    "BatchError",
+    "BatchErrors",
+    "BatchList",
+    "BatchObject",
+    "BatchStatus",
+    "FileList",
+    "FileObject",
+    "RequestCounts",
+]
+
+BatchStatus = Literal[
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class BatchCreate(BaseModel):
+    # Newer clients send fields we do not use (output_expires_after): ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(min_length=1, max_length=200)
+    endpoint: str = Field(description='Only "/v1/chat/completions"')
+    completion_window: str = Field("24h", description='Hours, e.g. "24h"')
+    metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs")
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    line: int | None = None
+    param: str | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    created_at: int
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: BatchErrors | None = None
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False

@@ -1,0 +1,210 @@
+"""Tasks: submit one conversation (or a small batch), read status and result, cancel.
+
+Single tasks go to the interactive lane, so a person waiting on an answer is
+served before bulk jobs of the same class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from config.schemas import Request
+from config.status import TaskState
+from producers.api.context import ApiContext, context
+from producers.api.convert import request_from_body
+from producers.api.errors import ApiError, ErrorDetail, error_responses
+from producers.api.queues import check_capacity
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["tasks"])
+
+_TERMINAL = {s.value for s in TaskState if s.terminal}
+_READ_ERRORS = error_responses(401, 404, 429, 503)
+_WRITE_ERRORS = error_responses(401, 413, 422, 429, 503)
+
+
+class TaskBody(BaseModel):
+    """A vlmq request, or an OpenAI chat completions body (``model`` present)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    custom_id: str | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+
+
+class TaskAccepted(BaseModel):
+    id: str
+    status: Literal["queued"] = "queued"
+    status_url: str
+    result_url: str
+    modality: str
+    custom_id: str | None = None
+
+
+class TaskStatus(BaseModel):
+    id: str
+    status: str
+    modality: str | None = None
+    custom_id: str | None = None
+    job_id: str | None = None
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    error: ErrorDetail | None = None
+    result_url: str | None = None
+
+
+class CancelReply(BaseModel):
+    id: str
+    cancelled: bool
+    status: str
+
+
+class BatchBody(BaseModel):
+    requests: list[dict[str, Any]] = Field(min_length=1)
+    lane: Literal["bulk", "interactive"] = "bulk"
+    name: str | None = Field(None, max_length=200)
+
+
+class BatchAccepted(BaseModel):
+    job_id: str
+    count: int
+    task_ids: list[str]
+    status_url: str
+
+
+def _accepted(request: Request) -> TaskAccepted:
+    return TaskAccepted(
+        id=request.id,
+        status_url=f"/v1/tasks/{request.id}",
+        result_url=f"/v1/tasks/{request.id}/result",
+        modality=request.modality.value,
+        custom_id=request.custom_id,
+    )
+
+
+@router.post("/tasks", status_code=202, responses=_WRITE_ERRORS)
+def submit_task(body: TaskBody, ctx: ApiContext = Depends(context)) -> TaskAccepted:
+    """Queue one conversation on the interactive lane."""
+    request = request_from_body(body.model_dump(exclude_unset=True))
+    check_capacity(ctx, {request.modality.value: 1})
+    ctx.client.submit(request, lane="interactive")
+    return _accepted(request)
+
+
+@router.post("/tasks:batch", status_code=202, responses=_WRITE_ERRORS)
+def submit_batch(body: BatchBody, ctx: ApiContext = Depends(context)) -> BatchAccepted:
+    """Queue up to ``max_batch_items`` conversations as one job; all or nothing."""
+    limit = ctx.settings.api.max_batch_items
+    if len(body.requests) > limit:
+        raise ApiError(422, "invalid_request", f"requests: at most {limit} items per call")
+    requests = [request_from_body(item, f"requests.{i}") for i, item in enumerate(body.requests)]
+    wanted: dict[str, int] = {}
+    for request in requests:
+        wanted[request.modality.value] = wanted.get(request.modality.value, 0) + 1
+    check_capacity(ctx, wanted)
+    job_id = ctx.client.submit_many(requests, lane=body.lane, name=body.name)
+    return BatchAccepted(
+        job_id=job_id,
+        count=len(requests),
+        task_ids=[r.id for r in requests],
+        status_url=f"/v1/jobs/{job_id}",
+    )
+
+
+def _known_task(ctx: ApiContext, task_id: str) -> dict[str, str]:
+    status = ctx.client.status_db.task(task_id)
+    if status.get("state", "unknown") == TaskState.UNKNOWN.value:
+        raise ApiError(404, "not_found", "no such task")
+    return status
+
+
+def _number(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _task_status(task_id: str, status: dict[str, str]) -> TaskStatus:
+    state = status.get("state", "unknown")
+    code = status.get("error_code")
+    error = ErrorDetail(code=code, message=status.get("error_message") or code) if code else None
+    return TaskStatus(
+        id=task_id,
+        status=state,
+        modality=status.get("modality") or None,
+        custom_id=status.get("custom_id") or None,
+        job_id=status.get("job_id") or None,
+        created_at=_number(status.get("created_at")),
+        started_at=_number(status.get("started_at")),
+        finished_at=_number(status.get("finished_at")),
+        attempts=int(_number(status.get("attempts")) or 0),
+        error=error,
+        result_url=f"/v1/tasks/{task_id}/result" if state in _TERMINAL else None,
+    )
+
+
+@router.get("/tasks/{task_id}", responses=_READ_ERRORS)
+def task_status(task_id: str, ctx: ApiContext = Depends(context)) -> TaskStatus:
+    return _task_status(task_id, _known_task(ctx, task_id))
+
+
+def _record_without_object(task_id: str, status: dict[str, str]) -> dict[str, Any]:
+    """A cancelled or expired task has no stored object: describe it from its status."""
+    view = _task_status(task_id, status)
+    return {
+        "id": task_id,
+        "custom_id": view.custom_id,
+        "job_id": view.job_id,
+        "status": view.status,
+        "error": view.error.model_dump() if view.error else None,
+    }
+
+
+@router.get("/tasks/{task_id}/result", responses=error_responses(400, 401, 404, 409, 429, 503))
+def task_result(
+    task_id: str,
+    presign: bool = Query(False, description="Answer a presigned URL of the stored object"),
+    ctx: ApiContext = Depends(context),
+) -> dict[str, Any]:
+    """The stored result object once the task is terminal (409 ``not_finished`` before)."""
+    status = _known_task(ctx, task_id)
+    if status.get("state") not in _TERMINAL:
+        raise ApiError(409, "not_finished", "the task has not finished yet")
+    url = status.get("result_url")
+    store = ctx.client.store
+    if not url:
+        if presign:
+            raise ApiError(404, "not_found", "the task has no stored result object")
+        return _record_without_object(task_id, status)
+    if presign:
+        signed = store.presign(store.key_of(url))
+        if signed is None:
+            raise ApiError(400, "presign_unsupported", "the results store cannot presign URLs")
+        return {"url": signed}
+    record = store.get(url)
+    if record is None:
+        raise ApiError(404, "not_found", "the result object is missing from the store")
+    return record
+
+
+@router.post("/tasks/{task_id}/cancel", responses=_READ_ERRORS)
+def cancel_task(task_id: str, ctx: ApiContext = Depends(context)) -> CancelReply:
+    """Cancel a task that is still queued; a running or finished task is left alone."""
+    _known_task(ctx, task_id)
+    cancelled = ctx.client.cancel(task_id) > 0
+    state = ctx.client.status_db.task(task_id).get("state", "unknown")
+    return CancelReply(id=task_id, cancelled=cancelled, status=state)

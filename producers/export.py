@@ -1,0 +1,178 @@
+"""Reading a job back: its summary, its results, its errors, in vlmq or OpenAI form.
+
+Results stream from the store in submission order, fetched by a small thread
+pool a window ahead (a GET costs a round trip; one at a time would crawl).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
+from typing import Any
+
+from config.status import TaskState
+from producers.client import Client
+
+__all__ = [
+    "cancel_job",
+    "iter_errors",
+    "iter_results",
+    "job_summary",
+    "to_openai_error",
+    "to_openai_output",
+]
+
+_WINDOW = 256
+
+
+def job_state(raw: dict[str, Any]) -> str:
+    """validating → in_progress → completed | failed | cancelled | expired."""
+    counts = raw["counts"]
+    if raw.get("sealed") != "1":
+        return "validating"
+    if not raw.get("finished"):
+        return "cancelling" if raw.get("cancel_requested") == "1" else "in_progress"
+    if raw.get("cancel_requested") == "1":
+        return "cancelled"
+    if counts.get("expired"):
+        return "expired"
+    if raw["total"] == 0:
+        return "failed"  # no valid line at all
+    return "completed"
+
+
+def job_summary(client: Client, job_id: str) -> dict[str, Any]:
+    raw = client.status_db.job(job_id)
+    if raw.get("state") == TaskState.UNKNOWN.value:
+        return {"job_id": job_id, "state": "unknown"}
+    errors = int(client.redis.hlen(client.keys.job_errors(job_id)))
+    created = float(raw.get("created_at") or time.time())
+    finished = float(raw["finished_at"]) if raw.get("finished_at") else None
+    elapsed = (finished or time.time()) - created
+    rate = raw["done"] / elapsed if elapsed > 0 else 0.0
+    remaining = raw["total"] - raw["done"]
+    return {
+        "job_id": job_id,
+        "name": raw.get("name") or None,
+        "state": job_state(raw),
+        "total": raw["total"],
+        "done": raw["done"],
+        "counts": raw["counts"],
+        "errors": errors,
+        "lines": int(raw.get("lines") or 0),
+        "created_at": created,
+        "finished_at": finished,
+        "expires_at": float(raw["expires_at"]) if raw.get("expires_at") else None,
+        "rate_per_s": round(rate, 3),
+        "eta_s": round(remaining / rate, 1) if rate > 0 and remaining > 0 else None,
+    }
+
+
+def _current_tasks(client: Client, job_id: str) -> Iterator[dict[str, str]]:
+    """Each current (not superseded) task of the job, with its status fields."""
+    fields = ("state", "result_url", "custom_id", "superseded", "error_code", "error_message")
+    ids = client.job_task_ids(job_id)
+    while window := list(islice(ids, 2000)):
+        for task_id, status in zip(window, client.status_db.tasks(window, fields), strict=True):
+            if status.get("superseded") != "1":
+                yield {"id": task_id, **status}
+
+
+def _fetch(client: Client, status: dict[str, str]) -> dict[str, Any]:
+    url = status.get("result_url")
+    record = client.store.get(url) if url else None
+    if record is not None:
+        return record
+    # Cancelled or expired before running: no object; the status says why.
+    state = status.get("state", "unknown")
+    return {
+        "id": status["id"],
+        "custom_id": status.get("custom_id") or None,
+        "status": state,
+        "error": {
+            "code": status.get("error_code") or state,
+            "message": status.get("error_message") or f"the task was {state}",
+        },
+    }
+
+
+def iter_results(
+    client: Client, job_id: str, terminal_only: bool = True
+) -> Iterator[dict[str, Any]]:
+    """Result records in submission order (tasks still running are skipped)."""
+    terminal = {s.value for s in TaskState if s.terminal}
+    tasks = (
+        t for t in _current_tasks(client, job_id) if not terminal_only or t.get("state") in terminal
+    )
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        while window := list(islice(tasks, _WINDOW)):
+            yield from pool.map(lambda t: _fetch(client, t), window)
+
+
+def iter_line_errors(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
+    raw = client.redis.hgetall(client.keys.job_errors(job_id))
+    for _, value in sorted(raw.items(), key=lambda kv: int(kv[0])):
+        yield json.loads(value)
+
+
+def iter_errors(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
+    """Failed, cancelled and expired results, then the invalid input lines."""
+    for record in iter_results(client, job_id):
+        if record.get("status") != "succeeded":
+            yield record
+    yield from iter_line_errors(client, job_id)
+
+
+def cancel_job(client: Client, job_id: str) -> int:
+    return client.cancel(job_id)
+
+
+def to_openai_output(record: dict[str, Any]) -> dict[str, Any]:
+    """One line of an OpenAI Batch output file."""
+    usage = record.get("usage") or {}
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    created = int((record.get("timings") or {}).get("finished_at") or time.time())
+    body = {
+        "id": f"chatcmpl-{record['id']}",
+        "object": "chat.completion",
+        "created": created,
+        "model": record.get("model") or "vlmq",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": record.get("output") or ""},
+                "finish_reason": record.get("finish_reason") or "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+    return {
+        "id": f"batch_req_{record['id']}",
+        "custom_id": record.get("custom_id"),
+        "response": {"status_code": 200, "request_id": record["id"], "body": body},
+        "error": None,
+    }
+
+
+def to_openai_error(record: dict[str, Any]) -> dict[str, Any]:
+    """One line of an OpenAI Batch error file (failed tasks and invalid lines)."""
+    error = record.get("error") or {"code": "internal_error", "message": "internal error"}
+    task_id = record.get("id") or f"line-{record.get('line')}"
+    return {
+        "id": f"batch_req_{task_id}",
+        "custom_id": record.get("custom_id"),
+        "response": None,
+        "error": {
+            "code": error.get("code"),
+            "message": error.get("message"),
+            **({"line": record["line"]} if record.get("line") else {}),
+        },
+    }

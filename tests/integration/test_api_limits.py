@@ -1,0 +1,148 @@
+"""The API's gate and failure answers: keys, body cap, rate limit, bounded
+queue, readiness, and error bodies that never leak internals."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from producers.api.app import create_app
+from producers.client import Client
+from tests.integration.test_api_support import api_settings
+
+TASK = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _app(redis_server, moto_server, request, **api):
+    return create_app(api_settings(redis_server, moto_server, request.node.name, **api))
+
+
+@pytest.fixture
+def make_http(redis_server, moto_server, request):
+    clients = []
+
+    def make(**api) -> TestClient:
+        client = TestClient(
+            _app(redis_server, moto_server, request, **api), raise_server_exceptions=False
+        )
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def _error(reply, status: int, code: str) -> dict:
+    assert reply.status_code == status, reply.text
+    body = reply.json()
+    assert set(body) == {"error"} and body["error"]["code"] == code
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_api_keys(make_http):
+    http = make_http(api_keys=["key-one", "key-two"])
+    missing = http.post("/v1/tasks", json=TASK)
+    _error(missing, 401, "unauthorized")
+    assert missing.headers["www-authenticate"] == "Bearer"
+    _error(http.post("/v1/tasks", json=TASK, headers=_bearer("wrong")), 401, "unauthorized")
+    _error(http.get("/v1/batches", headers={"Authorization": "Basic a2V5"}), 401, "unauthorized")
+    assert http.post("/v1/tasks", json=TASK, headers=_bearer("key-two")).status_code == 202
+    assert http.get("/v1/tasks/x", headers=_bearer("key-one")).status_code == 404
+    # Probes and the API description stay public.
+    for path in ("/healthz", "/readyz", "/openapi.json"):
+        assert http.get(path).status_code == 200
+    assert http.get("/metrics").status_code == 401
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_body_cap_by_content_length_and_while_streaming(make_http):
+    http = make_http(max_body_bytes=2000, max_file_bytes=3000)
+    big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    _error(http.post("/v1/tasks", json=big), 413, "body_too_large")
+
+    def chunks():  # no Content-Length: the cap must hold while reading
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 500
+        yield b'"}]}'
+
+    streamed = http.post(
+        "/v1/tasks", content=chunks(), headers={"content-type": "application/json"}
+    )
+    _error(streamed, 413, "body_too_large")
+    upload = http.post(
+        "/v1/files", files={"file": ("a.jsonl", b"z" * 4000)}, data={"purpose": "batch"}
+    )
+    _error(upload, 413, "body_too_large")
+    small = http.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch"})
+    assert small.status_code == 200
+    client: Client = http.app.state.ctx.client
+    assert client.redis.llen("vlmq.text.interactive") == 0
+
+
+def test_rate_limit_per_key_with_retry_after(make_http):
+    http = make_http(api_keys=["a", "b"], rate_limit_per_s=0.5, rate_limit_burst=3)
+    answers = [http.get("/v1/tasks/x", headers=_bearer("a")).status_code for _ in range(3)]
+    assert answers == [404, 404, 404]
+    limited = http.get("/v1/tasks/x", headers=_bearer("a"))
+    _error(limited, 429, "rate_limited")
+    assert 1 <= int(limited.headers["retry-after"]) <= 2
+    assert http.get("/v1/tasks/x", headers=_bearer("b")).status_code == 404  # its own bucket
+    assert http.get("/healthz").status_code == 200  # probes are never limited
+
+
+def test_bounded_queue(make_http):
+    http = make_http(max_queue_depth=3)
+    assert [http.post("/v1/tasks", json=TASK).status_code for _ in range(3)] == [202] * 3
+    full = http.post("/v1/tasks", json=TASK)
+    _error(full, 429, "queue_full")
+    assert int(full.headers["retry-after"]) >= 1
+    # Another class has its own bound.
+    image = {"messages": [{"role": "user", "content": [{"type": "image", "image": "/a.png"}]}]}
+    assert http.post("/v1/tasks", json=image).status_code == 202
+    _error(http.post("/v1/tasks:batch", json={"requests": [image] * 3}), 429, "queue_full")
+    client: Client = http.app.state.ctx.client
+    assert client.redis.llen("vlmq.text.interactive") == 3
+
+
+def test_bounded_queue_counts_bulk_job_lists(make_http):
+    http = make_http(max_queue_depth=4)
+    client: Client = http.app.state.ctx.client
+    client.submit_many([TASK] * 4)  # lands in the job's own bulk list
+    _error(http.post("/v1/tasks", json=TASK), 429, "queue_full")
+
+
+def test_readyz_and_requests_when_redis_is_down(make_http, redis_server):
+    http = make_http()
+    assert http.get("/readyz").status_code == 200
+    redis_server.kill()
+    ready = http.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["checks"] == {"redis": "unavailable", "store": "ok"}
+    assert ready.json()["error"]["code"] == "not_ready"
+    assert http.get("/healthz").status_code == 200
+    _error(http.post("/v1/tasks", json=TASK), 503, "broker_unavailable")
+
+
+def test_unexpected_errors_leak_nothing(make_http, monkeypatch):
+    http = make_http()
+    status_db = http.app.state.ctx.client.status_db
+
+    def explode(task_id):
+        raise RuntimeError("secret internals at 0xdeadbeef")
+
+    monkeypatch.setattr(status_db, "task", explode)
+    reply = http.get("/v1/tasks/anything")
+    error = _error(reply, 500, "internal_error")
+    assert error["message"] == "internal error"
+    for leak in ("secret", "Traceback", "RuntimeError", "0xdeadbeef"):
+        assert leak not in reply.text
+
+
+def test_method_not_allowed_is_json(make_http):
+    _error(make_http().delete("/v1/tasks"), 405, "method_not_allowed")

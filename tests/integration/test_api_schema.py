@@ -1,0 +1,62 @@
+"""Schemathesis against the served OpenAPI document: generated requests for
+every operation never get a 5xx, and every answer conforms to the document
+(status codes, content types, headers, bodies)."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from config.settings import Settings
+from producers.api.app import create_app
+from tests.integration.test_api_support import api_settings
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
+
+
+def _operations() -> list[tuple[str, str]]:
+    """(METHOD, path) of every documented operation (building the app connects nothing)."""
+    document = create_app(Settings(redis_url="redis://127.0.0.1:1/0")).openapi()
+    return [(m.upper(), p) for p, item in document["paths"].items() for m in item]
+
+
+@pytest.fixture
+def api_schema(redis_server, moto_server, request):
+    settings = api_settings(
+        redis_server,
+        moto_server,
+        request.node.name,
+        rate_limit_per_s=1e6,
+        rate_limit_burst=10**6,
+        max_batch_items=20,
+    )
+    return schemathesis.openapi.from_asgi("/openapi.json", create_app(settings))
+
+
+@pytest.mark.parametrize(("method", "path"), _operations())
+def test_every_operation_conforms(api_schema, method, path):
+    operation = api_schema[path][method]
+
+    @given(case=operation.as_strategy())
+    @hypothesis_settings(
+        max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
+    def conforms(case):
+        case.call_and_validate(checks=CHECKS)
+
+    conforms()

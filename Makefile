@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install -q -e '.[worker,api,dev]'
 	touch $(STAMP)
 
 ## setup: virtualenv with the worker and dev extras (~6 GB, ~2 min)

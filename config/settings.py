@@ -47,6 +47,13 @@ class MediaSettings(BaseModel):
     video_max_frames: int = Field(16, ge=2)
     video_max_duration_s: float = 3600.0
     video_max_pixels_per_frame: int = 8_294_400  # 3840 x 2160
+    # Longest side over shortest side, images and video frames: Qwen's
+    # processors raise on more than 200:1 (a 1x100000 image), so refuse it here.
+    max_aspect_ratio: float = Field(200.0, ge=1)
+    # Transient fetch failures (5xx, 429, timeouts, DNS) are retried with
+    # exponential backoff before the request fails with the reason.
+    fetch_retries: int = Field(2, ge=0, le=10)
+    fetch_retry_backoff_s: float = Field(0.5, ge=0)
     max_images_per_request: int = 16
     max_videos_per_request: int = 2
     # Most frames one video may cost to decode (each seek decodes from the
@@ -114,6 +121,8 @@ class FleetSettings(BaseModel):
     # messages are redelivered.
     batch_time_limit_s: float = Field(900.0, gt=0)
     upload_threads: int = Field(8, ge=1)
+    # Longest pause between retries of a result upload while the store is down.
+    store_retry_max_s: float = Field(10.0, gt=0)
     redis_socket_timeout_s: float = 10.0
     task_ttl_s: int = 7 * 86400
 

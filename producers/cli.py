@@ -28,6 +28,7 @@ _COMMANDS = {
     "results": "producers.commands:results",
     "cancel": "producers.commands:cancel",
     "serve": "producers.serve:serve",
+    "healthcheck": "producers.healthcheck:healthcheck",
 }
 
 

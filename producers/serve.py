@@ -49,4 +49,6 @@ def serve(host: str | None, port: int | None) -> None:
             err=True,
         )
         log.warning("serving without authentication on %s (loopback only)", host)
+    click.echo(f"vlmq serve: listening on http://{host}:{port} (API description: /docs)", err=True)
+    # log_config=None: uvicorn logs through the logging the CLI configured.
     uvicorn.run(create_app(settings), host=host, port=port, log_config=None)

@@ -45,11 +45,13 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         limiter=RateLimiter(settings.api.rate_limit_per_s, settings.api.rate_limit_burst),
     )
 
+    files = FileRegistry(ctx.client)
+    batches = BatchService(ctx.client, files)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # Unfinished background work resumes elsewhere (locks expire), so don't wait.
-        ctx.background.shutdown(wait=False, cancel_futures=True)
+        batches.work.shutdown()
 
     app = FastAPI(
         title="vlmq",
@@ -58,8 +60,8 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
-    app.state.files = FileRegistry(ctx.client)
-    app.state.batches = BatchService(ctx.client, app.state.files, ctx.background)
+    app.state.files = files
+    app.state.batches = batches
     install_error_handlers(app)
     secured = [Depends(bearer_scheme)]
     for router in (tasks.router, jobs.router, openai_batches.router):

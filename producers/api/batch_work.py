@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from config.errors import VlmqError
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 # A chunk (2000 lines) takes well under this; a holder silent for longer died.
 SUBMIT_LOCK_S = 120
 FINALIZE_LOCK_S = 900
+_LOCK_S = {"submitting": SUBMIT_LOCK_S, "finalizing": FINALIZE_LOCK_S}
 
 
 class _CancelRequested(Exception):
@@ -64,19 +66,52 @@ def _jsonl(record: dict[str, Any]) -> bytes:
 
 
 class BatchWork:
-    def __init__(
-        self, client: Client, files: FileRegistry, records: BatchRecords, pool: Executor
-    ) -> None:
+    """Runs submissions and finalizations on two small thread pools.
+
+    Separate pools, so a long file being fed in never delays another batch's
+    output files. A batch is scheduled at most once per process at a time;
+    across processes the Redis locks decide, taken when the work starts (a
+    lock taken while waiting in a pool queue could expire before it runs).
+    """
+
+    def __init__(self, client: Client, files: FileRegistry, records: BatchRecords) -> None:
         self.client = client
         self.files = files
         self.records = records
-        self.pool = pool
+        self._pools = {
+            "submitting": ThreadPoolExecutor(4, thread_name_prefix="vlmq-batch-submit"),
+            "finalizing": ThreadPoolExecutor(2, thread_name_prefix="vlmq-batch-finalize"),
+        }
+        self._scheduled: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        # Unfinished work resumes on a later read (its lock expires), so don't wait.
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _schedule(self, batch_id: str, what: str, job: Callable[[str], None]) -> None:
+        with self._lock:
+            if (batch_id, what) in self._scheduled or self.records.held(batch_id, what):
+                return
+            self._scheduled.add((batch_id, what))
+        self._pools[what].submit(self._run, batch_id, what, job)
+
+    def _run(self, batch_id: str, what: str, job: Callable[[str], None]) -> None:
+        try:
+            if self.records.acquire(batch_id, what, _LOCK_S[what]):
+                try:
+                    job(batch_id)
+                finally:
+                    self.records.release(batch_id, what)
+        finally:
+            with self._lock:
+                self._scheduled.discard((batch_id, what))
 
     # submission --------------------------------------------------------------
     def start_submission(self, batch_id: str) -> None:
         """Feed the batch's file into its job, unless someone already does."""
-        if self.records.acquire(batch_id, "submitting", SUBMIT_LOCK_S):
-            self.pool.submit(self._submit_safely, batch_id)
+        self._schedule(batch_id, "submitting", self._submit_safely)
 
     def _submit_safely(self, batch_id: str) -> None:
         try:
@@ -84,8 +119,6 @@ class BatchWork:
         except Exception as exc:  # a background thread: record it, never lose it
             log.exception("batch %s: submission failed", batch_id)
             self._fail(batch_id, exc)
-        finally:
-            self.records.release(batch_id, "submitting")
 
     def _submit(self, batch_id: str) -> None:
         record = self.records.get(batch_id)
@@ -132,16 +165,18 @@ class BatchWork:
 
     # finalization ------------------------------------------------------------
     def start_finalize(self, batch_id: str) -> None:
-        if self.records.acquire(batch_id, "finalizing", FINALIZE_LOCK_S):
-            self.records.mark_once(batch_id, "finalizing_at")
-            self.pool.submit(self._finalize_safely, batch_id)
+        self.records.mark_once(batch_id, "finalizing_at")
+        self._schedule(batch_id, "finalizing", self._finalize_safely)
 
     def finalize_now(self, batch_id: str) -> bool:
         """Write the files on this thread; False when another holder is at it."""
         if not self.records.acquire(batch_id, "finalizing", FINALIZE_LOCK_S):
             return False
         self.records.mark_once(batch_id, "finalizing_at")
-        self._finalize_safely(batch_id)
+        try:
+            self._finalize_safely(batch_id)
+        finally:
+            self.records.release(batch_id, "finalizing")
         return True
 
     def _finalize_safely(self, batch_id: str) -> None:
@@ -150,10 +185,10 @@ class BatchWork:
         except Exception:
             # Left unfinalized: the next read of the batch tries again.
             log.exception("batch %s: writing the output files failed", batch_id)
-        finally:
-            self.records.release(batch_id, "finalizing")
 
     def _finalize(self, batch_id: str) -> None:
+        if self.records.has(batch_id, "finalized_at"):
+            return  # a read scheduled it again just before the last run ended
         output, errors = bytearray(), bytearray()
         n_output = n_errors = 0
         for result in iter_results(self.client, batch_id):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -20,12 +19,7 @@ class ApiContext:
     settings: Settings
     client: Client
     limiter: RateLimiter
-    metrics: Metrics = field(default_factory=lambda: Metrics())
-    # Background work that must not hold a request open: feeding an uploaded
-    # file into a job, writing a finished batch's output files.
-    background: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="vlmq-api")
-    )
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def context(request: Request) -> ApiContext:

@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 # Status codes of routing errors Starlette raises itself, by code.
 _HTTP_CODES = {
-    400: "bad_request",
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
@@ -119,6 +118,9 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        # FastAPI's only 400: a body it could not decode. Same answer as bad JSON.
+        return error_response(422, "invalid_request", "body: could not be parsed")
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     # Starlette's own details are fixed phrases ("Not Found"); keep ours short too.
     message = code.replace("_", " ")

@@ -7,15 +7,18 @@ OpenAI object. Input files must have purpose ``batch``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
+from config.schemas import Modality
 from producers.api.batches import BatchService
+from producers.api.context import ApiContext, context
 from producers.api.errors import ApiError, error_responses
 from producers.api.files import FileRegistry
 from producers.api.openai_models import BatchCreate, BatchList, BatchObject, FileList, FileObject
+from producers.api.queues import check_capacity
 
 __all__ = ["router"]
 
@@ -44,12 +47,10 @@ def batches_of(request: Request) -> BatchService:
 @router.post("/files", responses=_WRITE_ERRORS)
 def upload_file(
     file: UploadFile = File(...),
-    purpose: str = Form(...),
+    purpose: Literal["batch"] = Form(...),
     files: FileRegistry = Depends(files_of),
 ) -> FileObject:
     """Upload a JSONL file of requests (purpose ``batch``)."""
-    if purpose != "batch":
-        raise ApiError(422, "invalid_request", "purpose: only batch is supported")
     data = file.file.read()
     filename = (file.filename or "input.jsonl")[:255]
     return files.create(data, filename, purpose)
@@ -105,8 +106,17 @@ def file_content(
 
 # batches -----------------------------------------------------------------------
 @router.post("/batches", responses=_WRITE_ERRORS)
-def create_batch(body: BatchCreate, batches: BatchService = Depends(batches_of)) -> BatchObject:
-    """Start a batch over an uploaded file; answers at once, the file is fed in behind."""
+def create_batch(
+    body: BatchCreate,
+    batches: BatchService = Depends(batches_of),
+    ctx: ApiContext = Depends(context),
+) -> BatchObject:
+    """Start a batch over an uploaded file; answers at once, the file is fed in behind.
+
+    Refused with 429 ``queue_full`` while any class's queues are full: the
+    file's classes are unknown until it is read.
+    """
+    check_capacity(ctx, {m.value: 1 for m in Modality})
     return batches.create(body)
 
 

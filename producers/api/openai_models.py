@@ -59,8 +59,8 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     input_file_id: str = Field(min_length=1, max_length=200)
-    endpoint: str = Field(description='Only "/v1/chat/completions"')
-    completion_window: str = Field("24h", description='Hours, e.g. "24h"')
+    endpoint: Literal["/v1/chat/completions"]
+    completion_window: str = Field("24h", pattern=r"^[1-9][0-9]{0,3}h$", description="Hours")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs")
 
 

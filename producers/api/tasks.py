@@ -27,12 +27,21 @@ _READ_ERRORS = error_responses(401, 404, 429, 503)
 _WRITE_ERRORS = error_responses(401, 413, 422, 429, 503)
 
 
+class ChatMessage(BaseModel):
+    """One turn; content parts are Hugging Face or OpenAI chat parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
 class TaskBody(BaseModel):
     """A vlmq request, or an OpenAI chat completions body (``model`` present)."""
 
     model_config = ConfigDict(extra="allow")
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     custom_id: str | None = None
     max_new_tokens: int | None = None
     temperature: float | None = None

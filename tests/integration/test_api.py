@@ -126,13 +126,9 @@ def test_tasks_batch_round_trip_with_a_failure(settings, http):
     assert batch["count"] == 7 and len(set(batch["task_ids"])) == 7
     with worker_loop(settings):
         job = wait_for_state(
-            lambda: (
-                {**http.get(batch["status_url"]).json(), "status": None}
-                | {"status": http.get(batch["status_url"]).json()["state"]}
-            ),
-            {"completed"},
+            lambda: http.get(batch["status_url"]).json(), {"completed"}, key="state"
         )
-    assert job["counts"]["succeeded"] == 6 and job["counts"]["failed"] == 1
+    assert job["counts"]["succeeded"] == 6 and job["counts"]["failed"] == 1, job
     failed = http.get(f"/v1/tasks/{batch['task_ids'][-1]}").json()
     assert failed["status"] == "failed" and failed["error"]["code"] == "generation_failed"
 

@@ -108,6 +108,9 @@ def test_bounded_queue(make_http):
     _error(http.post("/v1/tasks:batch", json={"requests": [image] * 3}), 429, "queue_full")
     client: Client = http.app.state.ctx.client
     assert client.redis.llen("vlmq.text.interactive") == 3
+    # A new OpenAI batch is refused while any class is full (its classes are unknown yet).
+    body = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions"}
+    _error(http.post("/v1/batches", json=body), 429, "queue_full")
 
 
 def test_bounded_queue_counts_bulk_job_lists(make_http):

@@ -12,6 +12,7 @@ import pytest
 
 from producers.api.app import create_app
 from producers.api.batch_records import BatchRecords
+from producers.bulk import submit_jsonl
 from producers.client import Client
 from tests.integration.test_api_support import (
     FAIL_MARKER,
@@ -181,3 +182,28 @@ def test_output_files_are_written_when_first_asked_for(settings, oai):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
     assert json.loads(text)["custom_id"] == "only"
+
+
+def test_a_feeder_that_died_is_resumed_without_duplicates(settings, oai):
+    lines = [_line(f"r{n}", f"question {n}") for n in range(5)]
+    uploaded = oai.files.create(file=("r.jsonl", "\n".join(lines).encode()), purpose="batch")
+    client = Client(settings)
+    batch_id = "batch_resumed"
+    fields = {
+        "id": batch_id,
+        "input_file_id": uploaded.id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        "created_at": str(int(time.time())),
+        "metadata": "{}",
+    }
+    BatchRecords(client).create(batch_id, fields)
+    # The first feeder got two lines in, then its process died (no lock left, job unsealed).
+    submit_jsonl(client, lines[:2], batch_id, chunk=1)
+    client.redis.hset(client.keys.job(batch_id), "sealed", "0")
+    client.redis.hdel(client.keys.job(batch_id), "finished_at")
+    with worker_loop(settings):
+        done = wait_for_state(lambda: oai.batches.retrieve(batch_id), {"completed"})
+    assert done.request_counts.total == 5 and done.request_counts.completed == 5
+    output = oai.files.content(done.output_file_id).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in output) == [f"r{n}" for n in range(5)]

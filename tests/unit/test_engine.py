@@ -247,3 +247,33 @@ def test_max_new_tokens_over_the_cap_is_rejected(qwen, media):
     results = engine.run([_req("x", max_new_tokens=17)])
     assert results[0].error["code"] == "invalid_request"
     assert "max_new_tokens" in results[0].error["message"]
+
+
+def test_transient_fetch_errors_are_retried_then_reported(qwen, media):
+    from config.errors import MediaFetchTransient
+
+    engine = _engine(qwen, media)
+    engine.media_settings.fetch_retry_backoff_s = 0.0
+    real = engine.loader.load_image
+    calls = {"flaky": 0, "down": 0}
+
+    def load_image(source):
+        if "flaky" in source:
+            calls["flaky"] += 1
+            if calls["flaky"] < 3:
+                raise MediaFetchTransient("the media server answered 503")
+            return real(str(media / "a.png"))
+        if "down" in source:
+            calls["down"] += 1
+            raise MediaFetchTransient("the media server answered 503")
+        return real(source)
+
+    engine.loader.load_image = load_image
+    results = engine.run([
+        _req([{"type": "image", "image": "https://media.example/flaky.png"}]),
+        _req([{"type": "image", "image": "https://media.example/down.png"}]),
+    ])
+    assert results[0].status == "succeeded" and calls["flaky"] == 3
+    assert results[1].error == {"code": "media_fetch_failed", "retryable": True,
+                                "message": "the media server answered 503"}
+    assert calls["down"] == 1 + engine.media_settings.fetch_retries

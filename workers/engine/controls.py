@@ -23,6 +23,9 @@ from transformers import LogitsProcessor, StoppingCriteria
 
 __all__ = ["RowSampler", "RowSampling", "RowStopper"]
 
+# Below this a temperature is greedy in effect; it keeps the division finite.
+_MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class RowSampling:
@@ -58,7 +61,10 @@ class RowSampler(LogitsProcessor):
                 continue
             logits = scores[row].float().cpu()
             if spec.temperature > 0:
-                probs = torch.softmax(logits / spec.temperature, dim=-1)
+                # Shift, and floor the temperature: logits / 1e-300 overflows
+                # float32 (1e-300 itself rounds to 0) and softmax gives NaN.
+                temperature = max(spec.temperature, _MIN_TEMPERATURE)
+                probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
                 probs = _top_p_filter(probs, spec.top_p)
                 token = int(torch.multinomial(probs, 1, generator=generator))
             else:

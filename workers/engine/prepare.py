@@ -6,12 +6,15 @@ items, over-long prompt) fails only that request, with a stable error code.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
-from config.errors import InvalidRequest, PromptTooLong, TooManyMedia, VlmqError
+from config.errors import InvalidRequest, PromptTooLong, RetryableError, TooManyMedia, VlmqError
 from config.schemas import ImagePart, Request, TextPart, VideoPart
 from config.settings import EngineSettings, MediaSettings
 from workers.engine.estimate import estimate_prompt_tokens
@@ -19,6 +22,10 @@ from workers.engine.model import LoadedModel
 from workers.media import DecodedVideo, MediaLoader
 
 __all__ = ["Prepared", "Preparer"]
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,11 +102,17 @@ class Preparer:
         try:
             self._check_media_counts(request)
             self._check_max_new_tokens(prepared.max_new_tokens)
+            self._check_text(request)
             prepared.conversation, sizes = self._decode(request)
             prepared.prompt_tokens = self._estimate(prepared.conversation, *sizes)
             self._check_context(prepared)
         except VlmqError as exc:
             prepared.error = exc
+        except Exception:
+            # A bug (or a processor surprise) fails this request alone, never
+            # the batch; the client sees a code, not the exception text.
+            log.exception("preparing request %s failed", request.id)
+            prepared.error = VlmqError("could not prepare this request")
         prepared.timings["prepare_s"] = round(time.perf_counter() - started, 4)
         return prepared
 
@@ -123,6 +136,26 @@ class Preparer:
                 f"{videos} videos; at most {self.media.max_videos_per_request} per request"
             )
 
+    def _check_text(self, request: Request) -> None:
+        """Text the tokenizer cannot encode, or that carries the processor's own
+        media placeholders (which it would try to match to images), fails here."""
+        placeholders = self._media_placeholders()
+        for part in request.parts("text"):
+            try:
+                part.text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("must be valid Unicode (no lone surrogates)", field="text") from None
+            for token in placeholders:
+                if token in part.text:
+                    raise InvalidRequest(
+                        f"must not contain the model's media placeholder {token!r}", field="text"
+                    )
+
+    def _media_placeholders(self) -> list[str]:
+        processor = self.loaded.processor
+        tokens = (getattr(processor, name, None) for name in ("image_token", "video_token"))
+        return [t for t in tokens if isinstance(t, str) and t]
+
     def _check_context(self, prepared: Prepared) -> None:
         limit = self.loaded.context_length
         if prepared.prompt_tokens + prepared.max_new_tokens > limit:
@@ -144,7 +177,7 @@ class Preparer:
                 if isinstance(part, TextPart):
                     content.append({"type": "text", "text": part.text})
                 elif isinstance(part, ImagePart):
-                    image = self.loader.load_image(part.source)
+                    image = self._with_retry(partial(self.loader.load_image, part.source))
                     image_sizes.append((image.height, image.width))
                     content.append({"type": "image", "image": image})
                 elif isinstance(part, VideoPart):
@@ -154,9 +187,23 @@ class Preparer:
             conversation.append({"role": message.role, "content": content})
         return conversation, (image_sizes, video_sizes)
 
+    def _with_retry(self, load: Callable[[], T]) -> T:
+        """Retry transient fetch failures with exponential backoff, then give up
+        with the last (retryable, clearly coded) error."""
+        delay = self.media.fetch_retry_backoff_s
+        for _ in range(self.media.fetch_retries):
+            try:
+                return load()
+            except RetryableError:
+                time.sleep(delay)
+                delay *= 2
+        return load()
+
     def _load_videos(self, request: Request) -> list[DecodedVideo]:
         videos = [
-            self.loader.load_video(part.source, part.fps, part.max_frames)
+            self._with_retry(
+                partial(self.loader.load_video, part.source, part.fps, part.max_frames)
+            )
             for part in request.parts("video")
         ]
         # Qwen's temporal patch covers two frames: a one-frame clip repeats its frame.

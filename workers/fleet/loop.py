@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+import redis
 from pydantic import ValidationError
 
 from config.errors import DeadLettered, Expired, InvalidRequest, PermanentError, error_record
@@ -54,6 +55,7 @@ class LoopConfig:
     batch_time_limit_s: float = 900.0
     idle_sleep_s: tuple[float, float] = (0.005, 0.1)
     upload_threads: int = 8
+    store_retry_max_s: float = 10.0
     max_settle_backlog: int = 256
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
 
@@ -103,7 +105,12 @@ class BatchLoop:
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self.settler = Settler(
-            store, self.status, self.reaper, self._release, threads=config.upload_threads
+            store,
+            self.status,
+            self.reaper,
+            self._release,
+            threads=config.upload_threads,
+            retry_max_s=config.store_retry_max_s,
         )
         self.webhooks = WebhookSender(client, self.keys, config.webhooks)
         self.stop_event = threading.Event()
@@ -181,16 +188,30 @@ class BatchLoop:
     # the loop --------------------------------------------------------------
     def run_forever(self) -> None:
         idle = self.config.idle_sleep_s[0]
+        outage = 0.1
         while not self.stop_event.is_set():
-            self.reap()
-            if self.settler.backlog > self.config.max_settle_backlog:
-                time.sleep(0.01)  # the store is slow or down: do not pull more
+            try:
+                busy = self._turn_once()
+            except redis.ConnectionError:
+                # Redis restarted or unreachable: what this worker holds stays
+                # leased (or is swept back by then); retry until it answers.
+                log.warning("Redis unreachable; retrying in %.1fs", outage)
+                self.stop_event.wait(outage)
+                outage = min(outage * 2, 2.0)
                 continue
-            if self.run_once():
+            outage = 0.1
+            if busy:
                 idle = self.config.idle_sleep_s[0]
             else:
                 self.stop_event.wait(idle)
                 idle = min(idle * 2, self.config.idle_sleep_s[1])
+
+    def _turn_once(self) -> bool:
+        self.reap()
+        if self.settler.backlog > self.config.max_settle_backlog:
+            time.sleep(0.01)  # the store is slow or down: do not pull more
+            return True
+        return self.run_once() > 0
 
     def run_once(self) -> int:
         """Pull and serve one batch of one class; returns messages handled."""

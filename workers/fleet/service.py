@@ -72,6 +72,7 @@ class WorkerService:
             max_deliveries=fleet.max_deliveries,
             batch_time_limit_s=fleet.batch_time_limit_s,
             upload_threads=fleet.upload_threads,
+            store_retry_max_s=fleet.store_retry_max_s,
             webhooks=self.settings.webhooks,
         )
         self.loop = BatchLoop(config, self.engine, client, store, self.keys)
@@ -119,6 +120,7 @@ class WorkerService:
             "at": time.time(),
             "batches": self.loop.batches_done,
             "model": self.engine.model_name,
+            "engine": _engine_stats(self.engine),
         }
         self.loop.status.redis.hset(self.keys.workers(), self.name, json.dumps(info))
 
@@ -138,3 +140,11 @@ class WorkerService:
     def wait(self) -> None:
         """Block until stopped (used when not hosted by Celery)."""
         self._stopped.wait()
+
+
+def _engine_stats(engine: Any) -> dict[str, Any]:
+    """Counters of a real engine (micro-batches, OOM splits, bisections)."""
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return {}
+    return {k: v for k, v in vars(stats).items() if k != "batch_sizes"}

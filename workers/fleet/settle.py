@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import redis
+
 from config.errors import StoreUnavailable
 from config.results import ResultStore, result_key
 from config.status import TaskState
@@ -75,11 +77,22 @@ class Settler:
         self.finish(task_id, state, {**fields, "result_url": url})
 
     def finish(self, task_id: str, state: TaskState, fields: dict[str, Any]) -> None:
-        """Terminal status and acknowledgement in one atomic pipeline."""
-        pipe = self.status.redis.pipeline(transaction=True)
-        self.status.transition(task_id, state, fields, client=pipe)
-        self.intake.ack([task_id], client=pipe)
-        pipe.execute()
+        """Terminal status and acknowledgement in one atomic pipeline (retried
+        while Redis is unreachable: the object is already stored)."""
+        delay = 0.1
+        while True:
+            try:
+                pipe = self.status.redis.pipeline(transaction=True)
+                self.status.transition(task_id, state, fields, client=pipe)
+                self.intake.ack([task_id], client=pipe)
+                pipe.execute()
+                break
+            except redis.ConnectionError:
+                if self.stopping.is_set():
+                    return  # still leased: it is delivered again and rewritten
+                log.warning("Redis unreachable while finishing %s; retrying", task_id)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
         self.release([task_id])
 
     def _put_with_retry(self, key: str, record: dict[str, Any]) -> str | None:

@@ -68,6 +68,14 @@ def check_image_pixels(size: tuple[int, int], settings: MediaSettings) -> None:
         raise MediaDecodeFailed(_IMAGE_FAILED)
     if width * height > settings.max_image_pixels:
         raise MediaTooLarge("image has too many pixels")
+    _check_aspect_ratio(width, height, settings, "image")
+
+
+def _check_aspect_ratio(width: int, height: int, settings: MediaSettings, kind: str) -> None:
+    """A 1x100000 image is within the pixel limit but no processor can tile it."""
+    limit = settings.max_aspect_ratio
+    if width > 0 and height > 0 and max(width, height) > limit * min(width, height):
+        raise MediaDecodeFailed(f"{kind} aspect ratio is more than {limit:g}:1")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -208,6 +216,7 @@ def _check_header_resolution(stream: Any, settings: MediaSettings) -> None:
     width, height = stream.codec_context.width or 0, stream.codec_context.height or 0
     if width * height > settings.video_max_pixels_per_frame:
         raise MediaTooLarge("video resolution is too large")
+    _check_aspect_ratio(width, height, settings, "video")
 
 
 def _stream_fps(stream: Any) -> float | None:
@@ -388,6 +397,7 @@ class _StreamContext:
         # Resolution can change mid-stream: every frame is checked, not the header.
         if frame.width * frame.height > self.settings.video_max_pixels_per_frame:
             raise MediaTooLarge("video resolution is too large")
+        _check_aspect_ratio(frame.width, frame.height, self.settings, "video")
         if frame.pts is None:
             if not self.sequential:
                 raise _SeekUnusable

@@ -150,6 +150,10 @@ def _resolved_roots(roots: list[str]) -> list[str]:
 def _resolve_local_path(path: str) -> str:
     if "\x00" in path:
         raise InvalidRequest("media path contains a NUL character")
+    try:
+        os.fsencode(path)  # a lone surrogate ("\ud800") has no file-system name
+    except UnicodeEncodeError:
+        raise InvalidRequest("media path is not valid Unicode") from None
     if not os.path.isabs(path):
         # A relative path would depend on each worker's current directory.
         raise InvalidRequest("local media path must be absolute")

@@ -39,7 +39,11 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     bucket, sep, key = url[len("s3://") :].partition("/")
     if not sep or not key or not _BUCKET_RE.match(bucket):
         raise InvalidRequest("s3 media URL must look like s3://bucket/key")
-    if len(key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+    try:
+        key_bytes = key.encode("utf-8")  # botocore would raise on a lone surrogate
+    except UnicodeEncodeError:
+        raise InvalidRequest("s3 media key is not valid Unicode") from None
+    if len(key_bytes) > _MAX_KEY_BYTES:
         raise InvalidRequest("s3 media key is too long")
     return bucket, key
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU run: real-dimension random-weight Qwen2.5-VL-3B / Qwen3-VL-2B / InternVL3-2B-hf checkpoints,
+# bf16 batched generation with SDPA (and flash_attention_2 when flash_attn is importable), per
+# modality, batch size 1 vs a large batch. Writes bench/GPU.md by default (--write FILE, or
+# --write '' for none). Needs nothing from the network; fits in 8 minutes on one H200
+# (--time-budget-s, default 420, plus a hard stop at VLMQ_GPU_HARD_TIMEOUT_S, default 470).
+#
+#   bash bench/gpu.sh                 # on a CUDA machine
+#   bash bench/gpu.sh --cpu-smoke     # same code path on CPU: tiny dims, fp32, < 60 s
+#   VLMQ_GPU_BENCH_CPU_SMOKE=1 bash bench/gpu.sh
+#
+# Other options: python -m bench.gpu_bench --help
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ -x .venv/bin/python ]]; then
+    PYTHON=.venv/bin/python
+else
+    PYTHON=python3
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi || true
+fi
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+
+echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench $*"
+exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
+    "$PYTHON" -m bench.gpu_bench "$@"

@@ -1,0 +1,1 @@
+"""Fault suites: hostile input (bad_input) and other failure drills."""

@@ -17,6 +17,7 @@ __all__ = [
     "FaultInjection",
     "FleetSettings",
     "MediaSettings",
+    "MetricsSettings",
     "Settings",
     "WebhookSettings",
 ]
@@ -152,6 +153,12 @@ class WebhookSettings(BaseModel):
     allow_private_addresses: bool = False
 
 
+class MetricsSettings(BaseModel):
+    # Port of a worker's Prometheus /metrics endpoint; None: not served.
+    port: int | None = None
+    host: str = "0.0.0.0"
+
+
 def _default_policies() -> dict[str, BatchPolicy]:
     return {
         "text": BatchPolicy(max_batch_size=32, max_wait_s=0.05, token_budget=65536),
@@ -178,3 +185,5 @@ class Settings(BaseSettings):
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    log_format: str = "text"  # text | json (one JSON object per line)

@@ -116,8 +116,6 @@ def encode_message(
     return json.dumps(message, separators=(",", ":"))
 
 
-
-
 def _parse_expires(value: Any) -> datetime | None:
     if not value:
         return None

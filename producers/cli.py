@@ -8,11 +8,12 @@ load the worker package when they are invoked.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 from typing import Any
 
 import click
+
+from config.logs import configure_logging
 
 __all__ = ["cli", "main"]
 
@@ -45,15 +46,6 @@ class LazyGroup(click.Group):
         module_name, attribute = target.split(":")
         command: click.Command = getattr(importlib.import_module(module_name), attribute)
         return command
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # transformers is chatty about generation flags we set on purpose.
-    logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
 @click.group(cls=LazyGroup)

@@ -269,11 +269,16 @@ def test_transient_fetch_errors_are_retried_then_reported(qwen, media):
         return real(source)
 
     engine.loader.load_image = load_image
-    results = engine.run([
-        _req([{"type": "image", "image": "https://media.example/flaky.png"}]),
-        _req([{"type": "image", "image": "https://media.example/down.png"}]),
-    ])
+    results = engine.run(
+        [
+            _req([{"type": "image", "image": "https://media.example/flaky.png"}]),
+            _req([{"type": "image", "image": "https://media.example/down.png"}]),
+        ]
+    )
     assert results[0].status == "succeeded" and calls["flaky"] == 3
-    assert results[1].error == {"code": "media_fetch_failed", "retryable": True,
-                                "message": "the media server answered 503"}
+    assert results[1].error == {
+        "code": "media_fetch_failed",
+        "retryable": True,
+        "message": "the media server answered 503",
+    }
     assert calls["down"] == 1 + engine.media_settings.fetch_retries

@@ -209,6 +209,7 @@ class Engine:
             error = outcome.error or GenerationFailed("no output was produced")
             return Result.model_validate({**record, "status": "failed", "error": error.to_dict()})
         record["timings"]["generate_s"] = round(completion.generate_s, 4)
+        record["timings"]["collate_s"] = round(completion.collate_s, 4)
         usage = Usage(
             prompt_tokens=completion.prompt_tokens, completion_tokens=len(completion.token_ids)
         )

@@ -144,7 +144,9 @@ class Preparer:
             try:
                 part.text.encode("utf-8")
             except UnicodeEncodeError:
-                raise InvalidRequest("must be valid Unicode (no lone surrogates)", field="text") from None
+                raise InvalidRequest(
+                    "must be valid Unicode (no lone surrogates)", field="text"
+                ) from None
             for token in placeholders:
                 if token in part.text:
                     raise InvalidRequest(

@@ -39,6 +39,7 @@ class Completion:
     batch_size: int
     padding_ratio: float
     generate_s: float
+    collate_s: float = 0.0
 
 
 EXIT_INJECTED_CRASH = 86
@@ -122,7 +123,9 @@ class BatchRunner:
 
     def generate(self, items: Sequence[Prepared]) -> list[Completion]:
         self._inject_faults(items)
+        collate_started = time.perf_counter()
         inputs = self.collate(items)
+        collate_s = time.perf_counter() - collate_started
         self._check_context(items, inputs["attention_mask"])
         inputs = self._to_device(inputs)
         started = time.perf_counter()
@@ -133,7 +136,10 @@ class BatchRunner:
                 raise OutOfMemory("the batch did not fit in device memory") from exc
             raise
         elapsed = time.perf_counter() - started
-        return self._unbatch(items, inputs, output, stopper, elapsed)
+        completions = self._unbatch(items, inputs, output, stopper, elapsed)
+        for completion in completions:
+            completion.collate_s = collate_s
+        return completions
 
     def _inject_faults(self, items: Sequence[Prepared]) -> None:
         limit = self.faults.oom_above_batch

@@ -13,22 +13,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import redis
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from config.errors import DeadLettered, Expired, InvalidRequest, PermanentError, error_record
 from config.jsonl import describe_validation_error
+from config.logs import log_context
 from config.results import ResultStore
 from config.schemas import Request, Result
 from config.settings import BatchPolicy, WebhookSettings
 from config.status import TERMINAL, Keys, TaskState
 from config.statusdb import StatusDB
 from config.wire import TaskMessage, WireError, decode_message
+from workers.fleet.metrics import WorkerMetrics
 from workers.fleet.settle import Settler
 from workers.fleet.webhooks import WebhookSender
 from workers.intake import Delivery, Intake
@@ -86,8 +90,11 @@ class BatchLoop:
         client: Any,
         store: ResultStore,
         keys: Keys | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.config = config
+        # A private registry unless the process serves /metrics (tests run many loops).
+        self.metrics = metrics or WorkerMetrics(CollectorRegistry())
         self.engine = engine
         self.keys = keys or Keys()
         self.status = StatusDB(client, self.keys)
@@ -111,6 +118,7 @@ class BatchLoop:
             self._release,
             threads=config.upload_threads,
             retry_max_s=config.store_retry_max_s,
+            on_upload=self.metrics.observe_upload,
         )
         self.webhooks = WebhookSender(client, self.keys, config.webhooks)
         self.stop_event = threading.Event()
@@ -141,6 +149,11 @@ class BatchLoop:
         if started is not None and time.monotonic() - started > self.config.batch_time_limit_s:
             return False
         self.reaper.renew(self.held(), self.lease_deadline())
+        for modality, intake in self.intakes.items():
+            self.metrics.queue_depth.labels(modality).set(intake.depth())
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:
+            self.metrics.observe_engine(stats)
         return True
 
     def reap(self) -> None:
@@ -248,25 +261,36 @@ class BatchLoop:
         runnable = self._start_all([w for w in work if self._admit(w)])
         if not runnable:
             return
-        self.batch_started = time.monotonic()
-        try:
-            # A request that ran before without finishing (its worker died) runs
-            # alone, least-tried first, so a request that kills its worker cannot
-            # take its batch-mates down with it again.
-            fresh = [w for w in runnable if w.attempts == 0]
-            suspects = sorted((w for w in runnable if w.attempts > 0), key=lambda w: w.attempts)
-            if fresh:
-                self._count_attempt(fresh)
-                self._run_group(fresh)
-            for suspect in suspects:
-                # Settle everything before each risky run: if it kills the
-                # process, the results of its batch-mates are already safe.
-                self.settler.drain()
-                self._count_attempt([suspect])
-                self._run_group([suspect])
-        finally:
-            self.batch_started = None
-            self.batches_done += 1
+        policy = self.config.policies[modality]
+        self.metrics.observe_batch(modality, len(runnable), policy.max_batch_size)
+        redelivered = sum(1 for w in runnable if w.delivery.deliveries > 1)
+        if redelivered:
+            self.metrics.redeliveries.inc(redelivered)
+        batch_id = uuid.uuid4().hex[:12]
+        with log_context(worker=self.config.worker, batch_id=batch_id):
+            log.info("batch %s: %d %s requests", batch_id, len(runnable), modality)
+            self.batch_started = time.monotonic()
+            try:
+                self._run_batch(runnable)
+            finally:
+                self.batch_started = None
+                self.batches_done += 1
+
+    def _run_batch(self, runnable: list[_Work]) -> None:
+        # A request that ran before without finishing (its worker died) runs
+        # alone, least-tried first, so a request that kills its worker cannot
+        # take its batch-mates down with it again.
+        fresh = [w for w in runnable if w.attempts == 0]
+        suspects = sorted((w for w in runnable if w.attempts > 0), key=lambda w: w.attempts)
+        if fresh:
+            self._count_attempt(fresh)
+            self._run_group(fresh)
+        for suspect in suspects:
+            # Settle everything before each risky run: if it kills the
+            # process, the results of its batch-mates are already safe.
+            self.settler.drain()
+            self._count_attempt([suspect])
+            self._run_group([suspect])
 
     def _decode(self, deliveries: list[Delivery]) -> list[_Work]:
         work = []
@@ -365,6 +389,9 @@ class BatchLoop:
         }
         record["attempts"] = item.attempts
         record["deliveries"] = item.delivery.deliveries
+        self.metrics.observe_result(record)
+        with log_context(task_id=result.id, job_id=result.job_id):
+            log.info("task %s %s", result.id, result.status)
         state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
         fields = {
             "finished_at": f"{time.time():.6f}",
@@ -402,6 +429,7 @@ class BatchLoop:
             f"{self.config.max_deliveries}); its worker died each time"
         )
         error = DeadLettered(reason)
+        self.metrics.dead_letters.inc()
         self.status.redis.lpush(
             self.keys.dead_letters(),
             _json(

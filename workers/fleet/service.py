@@ -20,11 +20,13 @@ import time
 from typing import Any
 
 import redis
+from prometheus_client import start_http_server
 
 from config.results import open_store
 from config.settings import Settings
 from config.status import Keys
 from workers.fleet.loop import BatchLoop, LoopConfig
+from workers.fleet.metrics import WorkerMetrics
 
 __all__ = ["WorkerService"]
 
@@ -75,8 +77,18 @@ class WorkerService:
             store_retry_max_s=fleet.store_retry_max_s,
             webhooks=self.settings.webhooks,
         )
-        self.loop = BatchLoop(config, self.engine, client, store, self.keys)
+        self.loop = BatchLoop(config, self.engine, client, store, self.keys, self._metrics())
         return self
+
+    def _metrics(self) -> WorkerMetrics | None:
+        """Process-wide metrics, served over HTTP when a port is configured."""
+        port = self.settings.metrics.port
+        if port is None:
+            return None
+        metrics = WorkerMetrics()
+        start_http_server(port, addr=self.settings.metrics.host)
+        log.info("metrics on http://%s:%d/metrics", self.settings.metrics.host, port)
+        return metrics
 
     def start(self) -> None:
         assert self.loop is not None, "setup() first"

@@ -41,7 +41,9 @@ class Settler:
         release: Callable[[list[str]], None],
         threads: int = 8,
         retry_max_s: float = 30.0,
+        on_upload: Callable[[float, str], None] | None = None,
     ) -> None:
+        self.on_upload = on_upload
         self.store = store
         self.status = status
         self.intake = intake
@@ -71,7 +73,10 @@ class Settler:
 
     def _settle(self, record: dict[str, Any], state: TaskState, fields: dict[str, Any]) -> None:
         task_id = record["id"]
+        started = time.perf_counter()
         url = self._put_with_retry(result_key(task_id, record.get("job_id")), record)
+        if self.on_upload is not None:
+            self.on_upload(time.perf_counter() - started, str(record.get("modality") or "unknown"))
         if url is None:
             return  # shutting down: the message stays leased and is redelivered
         self.finish(task_id, state, {**fields, "result_url": url})

@@ -1,0 +1,92 @@
+"""Prometheus metrics of a worker (served on VLMQ_METRICS__PORT when set).
+
+Every figure an operator needs to size and debug the fleet: queue depth per
+class, batch size and fill, padding efficiency, token rates (as counters; use
+``rate()``), per-stage latency, failures by error code, OOM splits,
+redeliveries and dead letters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["WorkerMetrics"]
+
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+_FRACTIONS = (0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        def histogram(name: str, doc: str, labels: list[str], buckets: Any) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.queue_depth = Gauge(
+            "vlmq_queue_depth",
+            "Messages waiting per modality class",
+            ["modality"],
+            registry=registry,
+        )
+        self.batch_size = histogram(
+            "vlmq_batch_size", "Requests per engine batch", ["modality"], _SIZES
+        )
+        self.batch_fill = histogram(
+            "vlmq_batch_fill", "Batch size / maximum batch size", ["modality"], _FRACTIONS
+        )
+        self.padding = histogram(
+            "vlmq_padding_ratio", "Real / padded prompt tokens", ["modality"], _FRACTIONS
+        )
+        self.prompt_tokens = counter("vlmq_prompt_tokens", "Prompt tokens processed", ["modality"])
+        self.generated_tokens = counter("vlmq_generated_tokens", "Tokens generated", ["modality"])
+        self.stage = histogram(
+            "vlmq_stage_seconds", "Latency per pipeline stage", ["stage", "modality"], _SECONDS
+        )
+        self.tasks = counter("vlmq_tasks", "Tasks finished", ["modality", "status"])
+        self.failures = counter("vlmq_failures", "Failed tasks by error code", ["code"])
+        self.oom_splits = counter("vlmq_oom_splits", "Micro-batches halved after OOM", [])
+        self.redeliveries = counter("vlmq_redeliveries", "Messages delivered more than once", [])
+        self.dead_letters = counter("vlmq_dead_letters", "Requests dead-lettered", [])
+        self._oom_seen = 0
+
+    def observe_batch(self, modality: str, size: int, maximum: int) -> None:
+        self.batch_size.labels(modality).observe(size)
+        self.batch_fill.labels(modality).observe(size / max(1, maximum))
+
+    def observe_result(self, record: dict[str, Any]) -> None:
+        modality = str(record.get("modality") or "unknown")
+        status = str(record.get("status"))
+        self.tasks.labels(modality, status).inc()
+        usage = record.get("usage") or {}
+        self.prompt_tokens.labels(modality).inc(usage.get("prompt_tokens", 0))
+        self.generated_tokens.labels(modality).inc(usage.get("completion_tokens", 0))
+        if record.get("padding_ratio") is not None:
+            self.padding.labels(modality).observe(record["padding_ratio"])
+        timings = record.get("timings") or {}
+        queued, started = timings.get("queued_at"), timings.get("started_at")
+        if queued and started:
+            self.stage.labels("queue_wait", modality).observe(max(0.0, started - queued))
+        for stage, key in (
+            ("media_fetch", "prepare_s"),
+            ("preprocess", "collate_s"),
+            ("generate", "generate_s"),
+        ):
+            if timings.get(key) is not None:
+                self.stage.labels(stage, modality).observe(timings[key])
+        if status != "succeeded":
+            self.failures.labels(str((record.get("error") or {}).get("code"))).inc()
+
+    def observe_upload(self, seconds: float, modality: str) -> None:
+        self.stage.labels("upload", modality).observe(seconds)
+
+    def observe_engine(self, stats: Any) -> None:
+        """Engine counters are cumulative; export the increase."""
+        total = int(getattr(stats, "oom_splits", 0))
+        if total > self._oom_seen:
+            self.oom_splits.inc(total - self._oom_seen)
+            self._oom_seen = total

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +119,7 @@ class Bench:
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
+    proc.send_signal(signal.SIGCONT)  # in case it was paused
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(30)
@@ -379,13 +379,7 @@ def _items(requests: Sequence[Request]) -> list[dict[str, Any]]:
     ]
 
 
-def _best(measure: Callable[[], float], repeats: int) -> float:
-    return min(measure() for _ in range(repeats))
-
-
-def measure_in_process(
-    model_dir: Path, requests: list[Request], batch_sizes: Sequence[int], repeats: int
-) -> dict[int, float]:
+def _in_process_engine(model_dir: Path, max_batch_size: int) -> Any:
     import torch
 
     from workers.engine import Engine
@@ -394,17 +388,10 @@ def measure_in_process(
     settings = EngineSettings(
         max_new_tokens_default=NEW_TOKENS,
         fixed_output_length=True,
-        max_batch_size=max(batch_sizes),
+        max_batch_size=max_batch_size,
         torch_threads=1,
     )
-    engine = Engine(str(model_dir), settings, MediaSettings()).setup()
-    try:
-        engine.run(requests[:2])  # warm-up
-        return {
-            bs: _best(partial(_time_engine, engine, requests, bs), repeats) for bs in batch_sizes
-        }
-    finally:
-        engine.close()
+    return Engine(str(model_dir), settings, MediaSettings()).setup()
 
 
 def _time_engine(engine: Any, requests: list[Request], batch_size: int) -> float:
@@ -449,33 +436,62 @@ def _run_job(bench: Bench, proc: subprocess.Popen[bytes], items: list[dict[str, 
     return took
 
 
-def measure_fleet_model(
-    bench: Bench, model_dir: Path, requests: list[Request], batch_size: int, repeats: int
-) -> float:
+@contextmanager
+def hf_worker(
+    bench: Bench, model_dir: Path, batch_size: int, warm_up: list[Request]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """One real ``hf`` worker process, loaded and warmed up, stopped on exit."""
     bench.flush()
     env = _hf_env(bench, model_dir, batch_size)
     proc = bench.start_worker(env, "--engine", "hf", "--no-celery")
     try:
         _wait(lambda: _alive_and(bench, proc, lambda: _registered(bench)), 300, "the worker")
-        _run_job(bench, proc, _items(requests[:2]))  # warm-up
-        took = _best(lambda: _run_job(bench, proc, _items(requests)), repeats)
+        _run_job(bench, proc, _items(warm_up))
+        yield proc
     finally:
         bench.stop_workers()
-    _progress(f"fleet bs={batch_size}: {len(requests) / took:.2f} req/s (best)")
-    return took
+
+
+@contextmanager
+def paused(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """SIGSTOP the worker, so it takes no CPU at all while the parent measures."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+def measure_pair(
+    bench: Bench, engine: Any, model_dir: Path, requests: list[Request], bs: int, repeats: int
+) -> tuple[float, float]:
+    """In-process and fleet runs taken in turns (never at once); the best of each."""
+    inproc = fleet = float("inf")
+    with hf_worker(bench, model_dir, bs, requests[:2]) as proc:
+        for _ in range(repeats):
+            with paused(proc):
+                inproc = min(inproc, _time_engine(engine, requests, bs))
+            fleet = min(fleet, _run_job(bench, proc, _items(requests)))
+    _progress(
+        f"bs={bs}: in-process {len(requests) / inproc:.2f}, fleet {len(requests) / fleet:.2f}"
+    )
+    return inproc, fleet
 
 
 def measure_model(bench: Bench, sizes: Sizes, workdir: Path, report: Report, gain: bool) -> None:
     model_dir = _model_dir(workdir)
     requests = workload("text", sizes.model_requests, workdir / "media")
     batch_sizes = [FLEET_BATCH, 1] if gain else [FLEET_BATCH]
-    bench.stop_workers()  # nothing else runs while the parent measures
-    timed = measure_in_process(model_dir, requests, batch_sizes, sizes.repeats)
-    for bs, took in timed.items():
-        report.model[("in-process", bs)] = (len(requests), took)
-    for bs in batch_sizes:
-        took = measure_fleet_model(bench, model_dir, requests, bs, sizes.repeats)
-        report.model[("fleet", bs)] = (len(requests), took)
+    bench.stop_workers()
+    engine = _in_process_engine(model_dir, max(batch_sizes))
+    try:
+        engine.run(requests[:2])  # warm-up
+        for bs in batch_sizes:
+            inproc, fleet = measure_pair(bench, engine, model_dir, requests, bs, sizes.repeats)
+            report.model[("in-process", bs)] = (len(requests), inproc)
+            report.model[("fleet", bs)] = (len(requests), fleet)
+    finally:
+        engine.close()
 
 
 # --- the report -------------------------------------------------------------

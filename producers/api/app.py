@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import redis
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Query
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from config.settings import Settings
 from producers.api import health, jobs, openai_batches, tasks
@@ -67,13 +68,21 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     for router in (tasks.router, jobs.router, openai_batches.router):
         app.include_router(router, dependencies=secured)
     app.include_router(health.router)
-    app.add_api_route("/metrics", _metrics, methods=["GET"], dependencies=secured)
+    # Operational, not part of the API contract (Prometheus text format).
+    app.add_api_route(
+        "/metrics", _metrics, methods=["GET"], dependencies=secured, include_in_schema=False
+    )
     # Added last = outermost: metrics see every answer, the gate's refusals too.
     app.add_middleware(Gate, settings=settings.api, limiter=ctx.limiter)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app
 
 
-def _metrics(ctx: ApiContext = Depends(context)) -> dict[str, Any]:
-    """Request counts and latencies per route since the process started."""
-    return {"routes": ctx.metrics.snapshot()}
+def _metrics(
+    ctx: ApiContext = Depends(context),
+    format: str = Query("prometheus", pattern="^(prometheus|json)$"),
+) -> Response:
+    """Request counts and latencies per route (Prometheus text, or JSON)."""
+    if format == "json":
+        return JSONResponse({"routes": ctx.metrics.snapshot()})
+    return Response(ctx.metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)

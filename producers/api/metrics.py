@@ -1,4 +1,6 @@
-"""Per-route request counts and latencies, kept in memory (JSON at /metrics).
+"""Per-route request counts and latencies, served at /metrics in Prometheus
+text format (``vlmq_api_requests_total``, ``vlmq_api_request_seconds``), and as
+a JSON snapshot for humans (``/metrics?format=json``).
 
 Routes are recorded by their template (``/v1/tasks/{task_id}``), never by the
 raw path, so the table stays small whatever ids clients send.
@@ -11,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["Metrics", "MetricsMiddleware"]
@@ -29,8 +32,24 @@ class Metrics:
     def __init__(self) -> None:
         self._routes: dict[str, _RouteStats] = {}
         self._lock = threading.Lock()
+        # One registry per app: tests create many apps in one process.
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "vlmq_api_requests",
+            "HTTP requests answered",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "vlmq_api_request_seconds", "HTTP request latency", ["route"], registry=self.registry
+        )
+
+    def prometheus(self) -> bytes:
+        return generate_latest(self.registry)
 
     def record(self, route: str, status: int, elapsed_s: float) -> None:
+        self._requests.labels(route, str(status)).inc()
+        self._latency.labels(route).observe(elapsed_s)
         with self._lock:
             stats = self._routes.setdefault(route, _RouteStats())
             stats.count += 1

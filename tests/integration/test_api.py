@@ -185,7 +185,9 @@ def test_malformed_json_is_a_422_without_echo(http):
 def test_metrics_count_routes(http):
     http.get("/v1/tasks/abc")
     http.get("/v1/tasks/def")
-    routes = http.get("/metrics").json()["routes"]
+    text = http.get("/metrics").text
+    assert "vlmq_api_requests_total{" in text and "vlmq_api_request_seconds_bucket{" in text
+    routes = http.get("/metrics", params={"format": "json"}).json()["routes"]
     assert routes["GET /v1/tasks/{task_id}"]["count"] == 2
     assert routes["GET /v1/tasks/{task_id}"]["rejected"] == 2
 

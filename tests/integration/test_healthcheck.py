@@ -11,6 +11,7 @@ import time
 
 from config.settings import BatchPolicy, FleetSettings, Settings
 from config.status import Keys
+from tests.support.services import free_port, wait_until
 from workers.fleet.noop import NoopEngine
 from workers.fleet.service import WorkerService
 
@@ -80,3 +81,33 @@ def test_an_unreadable_entry_or_a_down_redis_is_unhealthy(redis_server):
     redis_server.kill()
     done = healthcheck(url, "--timeout", "1")
     assert done.returncode == 1 and "Redis unreachable" in done.stdout
+
+
+def test_the_api_healthcheck_follows_a_real_server(redis_server, tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "VLMQ_REDIS_URL": redis_server.url,
+        "VLMQ_RESULTS_URL": f"file://{tmp_path / 'results'}",
+    }
+    url = f"http://127.0.0.1:{port}/healthz"
+
+    def probe(target: str = url) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "producers", "healthcheck", "api", "--url", target]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    assert probe().returncode == 1  # nothing listens yet
+    server = subprocess.Popen(
+        [sys.executable, "-m", "producers", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: probe().returncode == 0, timeout=60, what="vlmq serve")
+        done = probe(f"http://127.0.0.1:{port}/no-such-path")
+        assert done.returncode == 1 and "404" in done.stdout
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert probe().returncode == 1

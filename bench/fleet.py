@@ -539,8 +539,10 @@ def _model_table(report: Report) -> list[str]:
     base = _rate(*report.model[("in-process", FLEET_BATCH)])
     lines = [
         f"**Fleet vs in-process** (small qwen2_5_vl checkpoint, text, {NEW_TOKENS} new tokens "
-        f"fixed, 1 torch thread, best of {report.repeats}; fleet: one `vlmq worker --engine hf "
-        "--no-celery`, warmed up, timed from submit to job finished; target >= 95%)",
+        "fixed, 1 torch thread; in-process: `Engine.run` in chunks of the batch size in the "
+        "parent; fleet: one `vlmq worker --engine hf --no-celery`, warmed up, timed from "
+        "submit to job finished; the two take turns (the worker is SIGSTOPped while the "
+        f"parent runs), best of {report.repeats} each; target >= 95%)",
         "",
         "| path | batch size | requests | seconds | req/s | vs in-process |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

@@ -92,6 +92,9 @@ class EngineSettings(BaseModel):
     max_batch_size: int = Field(32, ge=1)
     # Padded tokens (prompt incl. visual tokens, plus new tokens) per micro-batch.
     token_budget: int = Field(32768, ge=1)
+    # Sort each pulled batch by length before cutting micro-batches, so rows of
+    # similar length are padded together (off: first-come order, for comparison).
+    length_bucketing: bool = True
     torch_threads: int | None = None
     # Benchmarks only: force fixed output lengths (min_new_tokens = max_new_tokens)
     # so random-weight checkpoints that emit EOS early still do comparable work.
@@ -161,9 +164,11 @@ class MetricsSettings(BaseModel):
 
 def _default_policies() -> dict[str, BatchPolicy]:
     return {
-        "text": BatchPolicy(max_batch_size=32, max_wait_s=0.05, token_budget=65536),
-        "image": BatchPolicy(max_batch_size=16, max_wait_s=0.1, token_budget=32768),
-        "video": BatchPolicy(max_batch_size=4, max_wait_s=0.2, token_budget=32768),
+        # A pull larger than the engine's micro-batch is the bucketing window:
+        # the engine sorts it by length and cuts similar-length micro-batches.
+        "text": BatchPolicy(max_batch_size=128, max_wait_s=0.05, token_budget=262144),
+        "image": BatchPolicy(max_batch_size=64, max_wait_s=0.1, token_budget=131072),
+        "video": BatchPolicy(max_batch_size=8, max_wait_s=0.2, token_budget=65536),
     }
 
 

@@ -201,14 +201,14 @@ class OutboundSpy:
             self.attempts.append(f"{address[0]}:{address[1]}")
             return original(address, *args, **kwargs)
 
-        socket.create_connection = spy  # type: ignore[assignment]
+        socket.create_connection = spy
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._original is not None:
-            socket.create_connection = self._original  # type: ignore[assignment]
+            socket.create_connection = self._original
 
 
 def offline_resolver(host: str, port: int) -> list[str]:

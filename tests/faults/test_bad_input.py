@@ -38,6 +38,7 @@ from tests.faults.bad_input import (
     make_loader,
     media_bytes,
     media_settings,
+    message_problems,
     valid_mates,
 )
 from workers.media.fetch import MediaFetcher
@@ -103,6 +104,25 @@ def describe(verdicts: list[Verdict]) -> list[str]:
 def assert_no_ssrf(canary: Canary, spy: OutboundSpy) -> None:
     assert canary.hits == 0, "a fetch reached the loopback canary"
     assert spy.attempts == [], f"outbound connections attempted: {spy.attempts}"
+
+
+def test_the_message_check_catches_leaks() -> None:
+    leaks = [
+        "Traceback (most recent call last):",
+        "cannot identify image file <_io.BytesIO object at 0x7f3a2c1b9e50>",
+        "UnidentifiedImageError: cannot identify image file",
+        "[Errno 2] No such file or directory",
+        "could not open /work/main/.venv/lib/python3.11/site-packages/PIL/Image.py",
+        "x" * 301,
+        "",
+    ]
+    for message in leaks:
+        assert message_problems(message, sent=""), message
+    assert message_problems("media file not found", sent="") == []
+    assert message_problems("media URL must look like s3://bucket/key", sent="") == []
+    # What the client sent may be echoed back (a type name, its own path).
+    assert message_problems("unknown content part type 'ValueError'", "ValueError") == []
+    assert message_problems("not found: /data/in/a.png", "/data/in/a.png") == []
 
 
 def test_loopback_is_allowlisted_but_private_addresses_are_not() -> None:

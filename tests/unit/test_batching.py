@@ -12,9 +12,19 @@ class Item:
 
 
 def test_sorted_by_length_and_capped_by_rows():
-    items = [Item(n) for n in (50, 10, 40, 20, 30)]
+    items = [Item(n) for n in (104, 100, 103, 101, 102)]
     batches = plan_micro_batches(items, max_batch_size=2, token_budget=10**9)
-    assert [[i.prompt_tokens for i in b] for b in batches] == [[10, 20], [30, 40], [50]]
+    assert [[i.prompt_tokens for i in b] for b in batches] == [[100, 101], [102, 103], [104]]
+
+
+def test_a_half_full_batch_closes_before_padding_gets_wasteful():
+    items = [Item(100)] * 4 + [Item(200)] * 4
+    batches = plan_micro_batches(items, max_batch_size=8, token_budget=10**9)
+    assert [[i.prompt_tokens for i in b] for b in batches] == [[100] * 4, [200] * 4]
+    # Below half full a batch keeps filling even if padding grows.
+    few_short = [Item(100)] * 2 + [Item(200)] * 6
+    assert [len(b) for b in plan_micro_batches(few_short, 8, 10**9)] == [4, 4]
+    assert [len(b) for b in plan_micro_batches(few_short, 8, 10**9, bucketing=False)] == [8]
 
 
 def test_token_budget_splits_batches():
@@ -40,3 +50,9 @@ def test_every_item_is_planned_exactly_once():
     batches = plan_micro_batches(items, max_batch_size=16, token_budget=2000)
     flat = [id(i) for b in batches for i in b]
     assert sorted(flat) == sorted(id(i) for i in items)
+
+
+def test_first_come_order_without_bucketing():
+    items = [Item(n) for n in (50, 10, 40, 20)]
+    batches = plan_micro_batches(items, max_batch_size=2, token_budget=10**9, bucketing=False)
+    assert [[i.prompt_tokens for i in b] for b in batches] == [[50, 10], [40, 20]]

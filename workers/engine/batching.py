@@ -25,14 +25,23 @@ class Sized(Protocol):
 T = TypeVar("T", bound=Sized)
 
 
+# With bucketing, a micro-batch that is at least half full is closed early
+# rather than let one longer row push its real/padded prompt tokens below this.
+MIN_PADDING_EFFICIENCY = 0.9
+
+
 @dataclass(frozen=True)
 class _Extent:
     rows: int
     prompt: int
     new: int
+    real: int = 0
 
     def cost(self) -> int:
         return self.rows * (self.prompt + self.new)
+
+    def efficiency(self) -> float:
+        return self.real / max(1, self.rows * self.prompt)
 
 
 def padded_cost(items: Sequence[Sized]) -> int:
@@ -44,9 +53,23 @@ def padded_cost(items: Sequence[Sized]) -> int:
     return len(items) * (longest_prompt + longest_new)
 
 
-def plan_micro_batches(items: Sequence[T], max_batch_size: int, token_budget: int) -> list[list[T]]:
-    """Greedy fill in length order; an item over budget on its own runs alone."""
-    ordered = sorted(items, key=lambda i: (i.prompt_tokens, i.max_new_tokens))
+def _full(grown: _Extent, current: _Extent, max_rows: int, budget: int, bucketing: bool) -> bool:
+    if grown.rows > max_rows or grown.cost() > budget:
+        return True
+    half_full = current.rows >= max(1, max_rows // 2)
+    return bucketing and half_full and grown.efficiency() < MIN_PADDING_EFFICIENCY
+
+
+def plan_micro_batches(
+    items: Sequence[T], max_batch_size: int, token_budget: int, bucketing: bool = True
+) -> list[list[T]]:
+    """Greedy fill in length order (or arrival order without bucketing); an item
+    over budget on its own runs alone."""
+    ordered = (
+        sorted(items, key=lambda i: (i.prompt_tokens, i.max_new_tokens))
+        if bucketing
+        else list(items)
+    )
     batches: list[list[T]] = []
     current: list[T] = []
     extent = _Extent(0, 0, 0)
@@ -55,11 +78,12 @@ def plan_micro_batches(items: Sequence[T], max_batch_size: int, token_budget: in
             extent.rows + 1,
             max(extent.prompt, item.prompt_tokens),
             max(extent.new, item.max_new_tokens),
+            extent.real + item.prompt_tokens,
         )
-        if current and (grown.rows > max_batch_size or grown.cost() > token_budget):
+        if current and _full(grown, extent, max_batch_size, token_budget, bucketing):
             batches.append(current)
             current = []
-            grown = _Extent(1, item.prompt_tokens, item.max_new_tokens)
+            grown = _Extent(1, item.prompt_tokens, item.max_new_tokens, item.prompt_tokens)
         current.append(item)
         extent = grown
     if current:

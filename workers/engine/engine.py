@@ -119,7 +119,9 @@ class Engine:
         return [
             batch
             for group in groups.values()
-            for batch in plan_micro_batches(group, self._max_rows, budget)
+            for batch in plan_micro_batches(
+                group, self._max_rows, budget, self.settings.length_bucketing
+            )
         ]
 
     @property

@@ -27,6 +27,8 @@ def result_key(task_id: str, job_id: str | None = None) -> str:
 
 class ResultStore(ABC):
     url: str
+    # Remote stores gain from parallel uploads; a local disk does not.
+    parallel_uploads: bool = True
 
     @abstractmethod
     def put(self, key: str, record: dict[str, Any]) -> str:
@@ -66,6 +68,8 @@ def _encode(record: dict[str, Any]) -> bytes:
 
 
 class FileStore(ResultStore):
+    parallel_uploads = False
+
     def __init__(self, url: str) -> None:
         parsed = urlparse(url)
         self.root = Path((parsed.netloc or "") + parsed.path).resolve()

@@ -40,34 +40,62 @@ local function finish_check(jobkey, job, now, events)
 end
 """
 
+# One task's move: allowed from-states ("," separated, "-" = absent); job
+# counters and the job's finish check in the same step. Returns {previous, 1|0}.
+_MOVE = """
+local function move(key, new, jobprefix, allowed_from, now, events, fields)
+  local current = redis.call('HGET', key, 'state') or ''
+  local allowed = false
+  for from in string.gmatch(allowed_from, '([^,]+)') do
+    if (from == '-' and current == '') or from == current then allowed = true end
+  end
+  if not allowed then return {current, 0} end
+  if #fields > 0 then redis.call('HSET', key, unpack(fields)) end
+  redis.call('HSET', key, 'state', new)
+  local job = redis.call('HGET', key, 'job_id')
+  if job and job ~= '' and current ~= new
+     and redis.call('HGET', key, 'superseded') ~= '1' then
+    local jobkey = jobprefix .. job
+    if current ~= '' then redis.call('HINCRBY', jobkey, current, -1) end
+    redis.call('HINCRBY', jobkey, new, 1)
+    finish_check(jobkey, job, now, events)
+  end
+  return {current, 1}
+end
+"""
+
 # KEYS[1] task hash; ARGV[1] new state, ARGV[2] job key prefix, ARGV[3] allowed
-# from-states ("," separated, "-" = absent), ARGV[4] now, ARGV[5] events list,
-# ARGV[6..] field/value pairs.
-# Returns the previous state ("" if none) and 1 if the move happened, else 0.
+# from-states, ARGV[4] now, ARGV[5] events list, ARGV[6..] field/value pairs.
 _TRANSITION = (
     _FINISH_CHECK
+    + _MOVE
     + """
-local current = redis.call('HGET', KEYS[1], 'state') or ''
-local allowed = false
-for from in string.gmatch(ARGV[3], '([^,]+)') do
-  if (from == '-' and current == '') or from == current then allowed = true end
-end
-if not allowed then return {current, 0} end
 local fields = {}
 for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
-if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
-redis.call('HSET', KEYS[1], 'state', ARGV[1])
-local job = redis.call('HGET', KEYS[1], 'job_id')
-if job and job ~= '' and current ~= ARGV[1]
-   and redis.call('HGET', KEYS[1], 'superseded') ~= '1' then
-  local jobkey = ARGV[2] .. job
-  if current ~= '' then redis.call('HINCRBY', jobkey, current, -1) end
-  redis.call('HINCRBY', jobkey, ARGV[1], 1)
-  finish_check(jobkey, job, ARGV[4], ARGV[5])
-end
-return {current, 1}
+return move(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], fields)
 """
 )
+
+# Many tasks in one call (a batch's start or finish). KEYS: task hashes.
+# ARGV[1] job key prefix, ARGV[2] now, ARGV[3] events list, then per task:
+# new state, allowed from-states, number of field/value pairs, the pairs.
+_TRANSITION_MANY = (
+    _FINISH_CHECK
+    + _MOVE
+    + """
+local replies = {}
+local at = 4
+for i = 1, #KEYS do
+  local new, allowed, n = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
+  local fields = {}
+  for j = 1, 2 * n do fields[j] = ARGV[at + 2 + j] end
+  at = at + 3 + 2 * n
+  replies[i] = move(KEYS[i], new, ARGV[1], allowed, ARGV[2], ARGV[3], fields)
+end
+return replies
+"""
+)
+
 
 # KEYS[1] job hash; ARGV[1] job id, ARGV[2] now, ARGV[3] events list, ARGV[4] lines.
 _SEAL = (
@@ -97,6 +125,7 @@ class StatusDB:
         self.keys = keys or Keys()
         self.ttl_s = ttl_s
         self._transition = client.register_script(_TRANSITION)
+        self._transition_many = client.register_script(_TRANSITION_MANY)
         self._seal = client.register_script(_SEAL)
 
     # writes --------------------------------------------------------------
@@ -188,6 +217,24 @@ class StatusDB:
             keys=[self.keys.job(job_id)],
             args=[job_id, f"{time.time():.6f}", self.keys.events(), lines],
         )
+
+    def transition_many(
+        self,
+        moves: Sequence[tuple[str, TaskState, Mapping[str, Any]]],
+        client: Any = None,
+    ) -> list[tuple[str, bool]]:
+        """Move many tasks forward in one script call: (task id, state, fields)."""
+        if not moves:
+            return []
+        argv: list[Any] = [self.keys.job(""), f"{time.time():.6f}", self.keys.events()]
+        for _, state, fields in moves:
+            pairs = [x for k, v in fields.items() for x in (k, "" if v is None else str(v))]
+            argv += [state.value, _allowed_from(state.value), len(pairs) // 2, *pairs]
+        keys = [self.keys.task(task_id) for task_id, _, _ in moves]
+        reply = self._transition_many(keys=keys, args=argv, client=client or self.redis)
+        if client is not None and client is not self.redis:
+            return []  # pipelined: the replies arrive with execute()
+        return [(_text(r[0]), bool(r[1])) for r in reply]
 
     # reads ---------------------------------------------------------------
     def task(self, task_id: str) -> dict[str, str]:

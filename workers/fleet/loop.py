@@ -33,7 +33,7 @@ from config.status import TERMINAL, Keys, TaskState
 from config.statusdb import StatusDB
 from config.wire import TaskMessage, WireError, decode_message
 from workers.fleet.metrics import WorkerMetrics
-from workers.fleet.settle import Settler
+from workers.fleet.settle import Settlement, Settler
 from workers.fleet.webhooks import WebhookSender
 from workers.intake import Delivery, Intake
 
@@ -222,7 +222,7 @@ class BatchLoop:
     def _turn_once(self) -> bool:
         self.reap()
         if self.settler.backlog > self.config.max_settle_backlog:
-            time.sleep(0.01)  # the store is slow or down: do not pull more
+            time.sleep(0.002)  # the store is slow or down: do not pull more
             return True
         return self.run_once() > 0
 
@@ -337,10 +337,10 @@ class BatchLoop:
         return deadline is not None and deadline <= time.time()
 
     def _start_all(self, work: list[_Work]) -> list[_Work]:
-        """Move every admitted request to running in one round trip; those that
-        were cancelled or expired since they were pulled are acknowledged."""
-        pipe = self.status.redis.pipeline(transaction=False)
+        """Move every admitted request to running in one script call; those
+        cancelled or expired since they were pulled are acknowledged."""
         now = f"{time.time():.6f}"
+        moves = []
         for item in work:
             request = item.request
             assert request is not None
@@ -352,10 +352,10 @@ class BatchLoop:
             }
             if not item.status.get("job_id") and request.job_id:
                 fields["job_id"] = request.job_id
-            self.status.transition(item.delivery.task_id, TaskState.RUNNING, fields, client=pipe)
+            moves.append((item.delivery.task_id, TaskState.RUNNING, fields))
         started = []
-        for item, (_, moved) in zip(work, pipe.execute(), strict=True):
-            if int(moved):
+        for item, (_, moved) in zip(work, self.status.transition_many(moves), strict=True):
+            if moved:
                 started.append(item)
             else:
                 self.settler.intake.ack([item.delivery.task_id])
@@ -376,10 +376,11 @@ class BatchLoop:
         except Exception as exc:  # the engine itself broke: fail each, never drop
             log.exception("engine failed on a batch of %d", len(requests))
             results = [_failed_result(r, exc, self.engine.model_name) for r in requests]
-        for item, result in zip(group, results, strict=True):
-            self._settle(item, result)
+        self.settler.submit_many(
+            [self._settlement(item, result) for item, result in zip(group, results, strict=True)]
+        )
 
-    def _settle(self, item: _Work, result: Result) -> None:
+    def _settlement(self, item: _Work, result: Result) -> Settlement:
         record = result.model_dump(mode="json")
         record["timings"] = {
             **record.get("timings", {}),
@@ -399,7 +400,7 @@ class BatchLoop:
             "error_code": (result.error or {}).get("code"),
             "error_message": (result.error or {}).get("message"),
         }
-        self.settler.submit(record, state, fields)
+        return Settlement(record, state, fields)
 
     def _fail_now(
         self, item: _Work, error: PermanentError, state: TaskState = TaskState.FAILED

@@ -1,11 +1,12 @@
-"""Store step: write each result object, then its terminal status and the ack.
+"""Store step: write each result object, then the terminal statuses and the acks.
 
-Order matters for "nothing is lost": the object is written first, then one
-pipeline moves the status to its terminal state and acknowledges the
-message. A crash in between leaves the message leased, so it is delivered
-again; the deterministic key makes the rewrite replace the same object.
-Uploads run in a thread pool so they overlap the next batch; a store outage
-is retried with backoff while the worker keeps the lease.
+Order matters for "nothing is lost": the objects are written first, then one
+transaction moves the statuses to their terminal states and acknowledges the
+messages. A crash in between leaves the messages leased, so they are
+delivered again; the deterministic key makes the rewrite replace the same
+object. A batch's results are settled together (uploads in parallel, one
+Redis transaction), off the batch loop's thread so they overlap the next
+batch; a store outage is retried with backoff while the leases are kept.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
@@ -25,9 +28,22 @@ from config.status import TaskState
 from config.statusdb import StatusDB
 from workers.intake import Intake
 
-__all__ = ["Settler"]
+__all__ = ["Settlement", "Settler"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Settlement:
+    """One task's result object and the terminal status it moves to."""
+
+    record: dict[str, Any]
+    state: TaskState
+    fields: dict[str, Any]
+
+    @property
+    def task_id(self) -> str:
+        return str(self.record["id"])
 
 
 class Settler:
@@ -49,56 +65,81 @@ class Settler:
         self.intake = intake
         self.release = release
         self.retry_max_s = retry_max_s
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="settle")
-        self._pending: set[Future[Any]] = set()
+        # Batches settle one after another (two in flight), their uploads in parallel.
+        self._batches = ThreadPoolExecutor(max_workers=2, thread_name_prefix="settle")
+        self._uploads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="upload")
+        self._pending = 0
         self._lock = threading.Lock()
         self.stopping = threading.Event()
 
     @property
     def backlog(self) -> int:
+        """Tasks whose results are not settled yet."""
         with self._lock:
-            return len(self._pending)
+            return self._pending
 
     def submit(self, record: dict[str, Any], state: TaskState, fields: dict[str, Any]) -> None:
-        future = self._pool.submit(self._settle, record, state, fields)
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(self._done)
+        self.submit_many([Settlement(record, state, fields)])
 
-    def _done(self, future: Future[Any]) -> None:
+    def submit_many(self, settlements: Sequence[Settlement]) -> None:
+        if not settlements:
+            return
         with self._lock:
-            self._pending.discard(future)
+            self._pending += len(settlements)
+        future = self._batches.submit(self._settle, list(settlements))
+        future.add_done_callback(partial(self._done, count=len(settlements)))
+
+    def _done(self, future: Future[Any], *, count: int) -> None:
+        with self._lock:
+            self._pending -= count
         if future.exception() is not None:
-            log.error("settling a result failed", exc_info=future.exception())
+            log.error("settling results failed", exc_info=future.exception())
 
-    def _settle(self, record: dict[str, Any], state: TaskState, fields: dict[str, Any]) -> None:
-        task_id = record["id"]
+    def _settle(self, settlements: list[Settlement]) -> None:
+        if self.store.parallel_uploads and len(settlements) > 1:
+            urls = list(self._uploads.map(self._upload, settlements))
+        else:
+            urls = [self._upload(s) for s in settlements]
+        stored = []
+        for settlement, url in zip(settlements, urls, strict=True):
+            if url is not None:  # None: shutting down; it stays leased and comes back
+                settlement.fields["result_url"] = url
+                stored.append(settlement)
+        self.finish_many(stored)
+
+    def _upload(self, settlement: Settlement) -> str | None:
+        record = settlement.record
         started = time.perf_counter()
-        url = self._put_with_retry(result_key(task_id, record.get("job_id")), record)
+        url = self._put_with_retry(result_key(settlement.task_id, record.get("job_id")), record)
         if self.on_upload is not None:
             self.on_upload(time.perf_counter() - started, str(record.get("modality") or "unknown"))
-        if url is None:
-            return  # shutting down: the message stays leased and is redelivered
-        self.finish(task_id, state, {**fields, "result_url": url})
+        return url
 
     def finish(self, task_id: str, state: TaskState, fields: dict[str, Any]) -> None:
-        """Terminal status and acknowledgement in one atomic pipeline (retried
-        while Redis is unreachable: the object is already stored)."""
+        self.finish_many([Settlement({"id": task_id}, state, fields)])
+
+    def finish_many(self, settlements: Sequence[Settlement]) -> None:
+        """Terminal statuses and acknowledgements in one transaction (retried
+        while Redis is unreachable: the objects are already stored)."""
+        if not settlements:
+            return
         delay = 0.1
+        ids = [s.task_id for s in settlements]
         while True:
             try:
                 pipe = self.status.redis.pipeline(transaction=True)
-                self.status.transition(task_id, state, fields, client=pipe)
-                self.intake.ack([task_id], client=pipe)
+                moves = [(s.task_id, s.state, s.fields) for s in settlements]
+                self.status.transition_many(moves, client=pipe)
+                self.intake.ack(ids, client=pipe)
                 pipe.execute()
                 break
             except redis.ConnectionError:
                 if self.stopping.is_set():
-                    return  # still leased: it is delivered again and rewritten
-                log.warning("Redis unreachable while finishing %s; retrying", task_id)
+                    return  # still leased: delivered again and rewritten
+                log.warning("Redis unreachable while finishing %d tasks; retrying", len(ids))
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        self.release([task_id])
+        self.release(ids)
 
     def _put_with_retry(self, key: str, record: dict[str, Any]) -> str | None:
         delay = 0.2
@@ -113,7 +154,7 @@ class Settler:
                 delay = min(delay * 2, self.retry_max_s)
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait for every pending upload; True when none is left."""
+        """Wait for every pending settlement; True when none is left."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self.backlog:
             if deadline is not None and time.monotonic() > deadline:
@@ -123,4 +164,5 @@ class Settler:
 
     def close(self) -> None:
         self.stopping.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._batches.shutdown(wait=True, cancel_futures=True)
+        self._uploads.shutdown(wait=True, cancel_futures=True)

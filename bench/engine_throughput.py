@@ -12,9 +12,11 @@ speedup over batch size 1.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +39,9 @@ def _measure(engine: Engine, requests: list, batch_size: int) -> tuple[float, in
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error}")
     return elapsed, sum(r.usage.completion_tokens for r in results)
+
+
+ROWS: list[tuple[Any, ...]] = []
 
 
 def run(args: argparse.Namespace) -> str:
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> str:
                 rate = n / elapsed
                 base_rate = base_rate or rate
                 rows.append((size, kind, batch_size, n, rate, tokens / elapsed, rate / base_rate))
+                ROWS.append(rows[-1])
                 print(
                     f"{size:5} {kind:5} bs={batch_size:<3} {rate:7.2f} req/s "
                     f"{tokens / elapsed:8.1f} tok/s  x{rate / base_rate:.2f}",
@@ -105,11 +111,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default=".vlmq/bench")
     parser.add_argument("--write", default=None, help="Markdown file to put the table in.")
+    parser.add_argument("--json", default=None, help="Also write the rows as JSON here.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     table = run(args)
     print(table)
+    if args.json:
+        keys = (
+            "checkpoint",
+            "modality",
+            "batch_size",
+            "requests",
+            "req_per_s",
+            "tok_per_s",
+            "speedup",
+        )
+        Path(args.json).write_text(json.dumps([dict(zip(keys, r, strict=True)) for r in ROWS]))
     if args.write:
         replace_section(Path(args.write), f"engine-{args.family}", table)
 

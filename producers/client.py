@@ -122,6 +122,7 @@ class Client:
     ) -> str:
         """Validate and enqueue one conversation; returns its task id."""
         request = as_request(conversation, **fields)
+        self._refuse_known_ids([request])
         expires = _expiry(expires_in_s)
         pipe = self.redis.pipeline(transaction=True)
         self.enqueue(pipe, [request], lane, expires)
@@ -145,6 +146,7 @@ class Client:
         """
         job_id = job_id or uuid.uuid4().hex
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
+        self._refuse_known_ids(requests)
         self.open_job(job_id, name=name, expires_in_s=expires_in_s)
         expires = _expiry(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
@@ -154,6 +156,20 @@ class Client:
             pipe.execute()
         self.seal_job(job_id, lines=len(requests))
         return job_id
+
+    def _refuse_known_ids(self, requests: list[Request], chunk: int = 5000) -> None:
+        """A task id names one task forever: re-enqueueing one that exists would
+        reset its status, so it is refused before anything is written."""
+        for start in range(0, len(requests), chunk):
+            window = requests[start : start + chunk]
+            pipe = self.redis.pipeline(transaction=False)
+            for request in window:
+                pipe.exists(self.keys.task(request.id))
+            for index, exists in enumerate(pipe.execute()):
+                if exists:
+                    raise InvalidRequest(
+                        f"item {start + index}: task id {window[index].id[:64]!r} already exists"
+                    )
 
     def open_job(
         self,

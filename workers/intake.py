@@ -13,7 +13,7 @@ lease ran out (their holder died), so a kill -9 is recovered within
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -33,21 +33,30 @@ __all__ = ["Delivery", "Intake"]
 _POP = """
 local out = {}
 local limit = tonumber(ARGV[1])
+local function task_id(raw)
+  -- The body is base64, so the only "id" key in clear text is the header's
+  -- (Celery writes headers before properties); decode fully only as a fallback.
+  local id = string.match(raw, '[{,]%s*"id"%s*:%s*"([^"]+)"')
+  if id then return id end
+  local ok, msg = pcall(cjson.decode, raw)
+  if ok and type(msg) == 'table' and type(msg.headers) == 'table' and msg.headers.id then
+    return tostring(msg.headers.id)
+  end
+  return 'invalid-' .. redis.sha1hex(raw)
+end
 local function take(list)
   local raw = redis.call('RPOP', list)
   if not raw then return false end
-  local ok, msg = pcall(cjson.decode, raw)
-  local id
-  if ok and type(msg) == 'table' and type(msg.headers) == 'table' and msg.headers.id then
-    id = tostring(msg.headers.id)
-  else
-    id = 'invalid-' .. redis.sha1hex(raw)
-  end
+  local id = task_id(raw)
   redis.call('HSET', KEYS[1], id, raw)
   redis.call('ZADD', KEYS[2], ARGV[2], id)
   redis.call('HSET', KEYS[3], id, list)
-  local n = redis.call('HINCRBY', ARGV[3] .. id, 'deliveries', 1)
-  out[#out + 1] = {id, raw, n}
+  local key = ARGV[3] .. id
+  local n = redis.call('HINCRBY', key, 'deliveries', 1)
+  -- The status fields the worker decides on, saving it a round trip.
+  local status = redis.call('HMGET', key, 'state', 'attempts', 'job_id', 'queued_at',
+                            'expires_at')
+  out[#out + 1] = {id, raw, n, status}
   return true
 end
 local first = 4 + tonumber(ARGV[4])
@@ -121,6 +130,7 @@ class Delivery:
     task_id: str
     raw: str
     deliveries: int
+    status: dict[str, str] = field(default_factory=dict)
 
 
 class Intake:
@@ -161,7 +171,7 @@ class Intake:
                 self.active_jobs,
             ],
         )
-        return [Delivery(_text(r[0]), _text(r[1]), int(r[2])) for r in rows]
+        return [Delivery(_text(r[0]), _text(r[1]), int(r[2]), _status(r[3])) for r in rows]
 
     def ack(self, task_ids: Sequence[str], client: Any = None) -> None:
         if task_ids:
@@ -189,6 +199,16 @@ class Intake:
         for name in [*self.lists, *jobs]:
             pipe.llen(name)
         return int(sum(pipe.execute()))
+
+
+_STATUS_FIELDS = ("state", "attempts", "job_id", "queued_at", "expires_at")
+
+
+def _status(values: Any) -> dict[str, str]:
+    status = {k: _text(v) for k, v in zip(_STATUS_FIELDS, values, strict=True) if v}
+    # A hash without a state was made by this very pull (a plain send_task).
+    status.setdefault("state", "queued")
+    return status
 
 
 def _text(value: Any) -> str:

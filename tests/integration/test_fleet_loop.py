@@ -285,3 +285,15 @@ def test_bulk_jobs_share_workers_fairly_and_interactive_goes_first(settings):
     assert engine.ran[:3] == urgent  # the interactive lane is served first
     assert big_done <= 40, big_done  # the small job did not wait behind the big one
     assert client.redis.smembers(Keys().active_jobs("text")) <= {f"vlmq.text.job.{big}".encode()}
+
+
+def test_an_existing_task_id_is_refused(settings):
+    from config.errors import InvalidRequest
+
+    client = Client(settings)
+    request = Request.model_validate({"messages": _conversation("text", 1)})
+    client.submit_many([request])
+    with pytest.raises(InvalidRequest, match="already exists"):
+        client.submit_many([request])
+    with pytest.raises(InvalidRequest, match="already exists"):
+        client.submit(request)

@@ -57,7 +57,7 @@ class LoopConfig:
     reap_interval_s: float = 5.0
     max_deliveries: int = 3
     batch_time_limit_s: float = 900.0
-    idle_sleep_s: tuple[float, float] = (0.005, 0.1)
+    idle_sleep_s: tuple[float, float] = (0.002, 0.02)
     upload_threads: int = 8
     store_retry_max_s: float = 10.0
     max_settle_backlog: int = 256
@@ -257,7 +257,8 @@ class BatchLoop:
     # one batch -------------------------------------------------------------
     def _serve(self, modality: str, deliveries: list[Delivery]) -> None:
         work = self._decode(_unique(deliveries))
-        self._load_status(work)
+        for item in work:
+            item.status = dict(item.delivery.status)
         runnable = self._start_all([w for w in work if self._admit(w)])
         if not runnable:
             return
@@ -280,10 +281,9 @@ class BatchLoop:
         # A request that ran before without finishing (its worker died) runs
         # alone, least-tried first, so a request that kills its worker cannot
         # take its batch-mates down with it again.
-        fresh = [w for w in runnable if w.attempts == 0]
-        suspects = sorted((w for w in runnable if w.attempts > 0), key=lambda w: w.attempts)
-        if fresh:
-            self._count_attempt(fresh)
+        fresh = [w for w in runnable if w.delivery.status.get("attempts") is None]
+        suspects = sorted((w for w in runnable if w not in fresh), key=lambda w: w.attempts)
+        if fresh:  # their attempt was counted when they started
             self._run_group(fresh)
         for suspect in suspects:
             # Settle everything before each risky run: if it kills the
@@ -308,11 +308,6 @@ class BatchLoop:
                 continue
             work.append(item)
         return work
-
-    def _load_status(self, work: list[_Work]) -> None:
-        statuses = self.status.tasks([w.delivery.task_id for w in work])
-        for item, status in zip(work, statuses, strict=True):
-            item.status = status
 
     def _admit(self, item: _Work) -> bool:
         """False (and acknowledged) for work that must not run."""
@@ -339,6 +334,8 @@ class BatchLoop:
     def _start_all(self, work: list[_Work]) -> list[_Work]:
         """Move every admitted request to running in one script call; those
         cancelled or expired since they were pulled are acknowledged."""
+        if not work:
+            return []
         now = f"{time.time():.6f}"
         moves = []
         for item in work:
@@ -353,9 +350,19 @@ class BatchLoop:
             if not item.status.get("job_id") and request.job_id:
                 fields["job_id"] = request.job_id
             moves.append((item.delivery.task_id, TaskState.RUNNING, fields))
+        # The start and the first attempt's count share one round trip; requests
+        # that ran before are counted when they run alone (see _run_batch).
+        pipe = self.status.redis.pipeline(transaction=False)
+        self.status.transition_many(moves, client=pipe)
+        fresh = [item for item in work if item.attempts == 0]
+        for item in fresh:
+            pipe.hincrby(self.keys.task(item.delivery.task_id), "attempts", 1)
+        replies = pipe.execute()
+        for item in fresh:
+            item.status["attempts"] = "1"
         started = []
-        for item, (_, moved) in zip(work, self.status.transition_many(moves), strict=True):
-            if moved:
+        for item, (_, moved) in zip(work, replies[0], strict=True):
+            if int(moved):
                 started.append(item)
             else:
                 self.settler.intake.ack([item.delivery.task_id])

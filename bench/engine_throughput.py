@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> str:
             max_new_tokens_default=args.new_tokens,
             fixed_output_length=True,
             token_budget=10**7,
+            # Exact batch sizes: bucketing may split a batch to save padding.
+            length_bucketing=False,
             max_batch_size=max(args.batch_sizes),
         )
         engine = Engine(str(model_dir), settings, MediaSettings(local_roots=[str(workdir)])).setup()

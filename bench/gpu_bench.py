@@ -487,6 +487,8 @@ class Runner:
             max_new_tokens_default=plan.new_tokens,
             fixed_output_length=True,
             token_budget=10**7,
+            # Exact batch sizes: bucketing may split a batch to save padding.
+            length_bucketing=False,
             max_batch_size=max(plan.batch_sizes.values()),
         )
         media = MediaSettings(local_roots=[str(plan.workdir.resolve())])

@@ -56,7 +56,10 @@ from workers.samples import data_uri, make_audio_bytes, make_image, make_video_b
 __all__ = [
     "ALLOWLISTED_HOSTS",
     "CLIENT_CODES",
+    "DECODE_TIME_LIMIT_S",
+    "MAX_NEW_TOKENS_CAP",
     "REJECTED",
+    "S3_BUCKET",
     "SUCCEEDED",
     "Canary",
     "Case",
@@ -76,6 +79,7 @@ __all__ = [
     "media_settings",
     "message_problems",
     "offline_resolver",
+    "ssrf_urls",
     "valid_mates",
 ]
 

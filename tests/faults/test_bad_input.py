@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from config.errors import InvalidRequest
+from config.schemas import Request
 from config.settings import MediaSettings
 from tests.faults.bad_input import (
     ALLOWLISTED_HOSTS,
@@ -151,6 +152,31 @@ def test_corpus_fails_clearly_and_batch_mates_succeed(
     # Unknown content parts never reach a worker: refused with the field named.
     unknown = [v for v in verdicts if v.category == "unknown content part"]
     assert unknown and all(v.outcome == REJECTED and "content" in v.message for v in unknown)
+
+
+def test_an_unexpected_error_while_preparing_fails_only_its_request(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety net behind the specific checks: a processor surprise (say a
+    ValueError from its patch arithmetic) must not take the batch down."""
+    preparer = engine._preparer
+    real = preparer._estimate
+
+    def estimate(conversation: list[dict[str, Any]], *sizes: Any) -> int:
+        if any(part.get("text") == "boom" for m in conversation for part in m["content"]):
+            raise ValueError("absolute aspect ratio must be smaller than 200, got 1e5")
+        return int(real(conversation, *sizes))
+
+    monkeypatch.setattr(preparer, "_estimate", estimate)
+    requests = [Request.model_validate({"messages": [{"role": "user", "content": t}]})
+                for t in ("boom", "fine")]  # fmt: skip
+    failed, fine = engine.run(requests)
+    assert failed.error == {
+        "code": "internal_error",
+        "message": "could not prepare this request",
+        "retryable": False,
+    }
+    assert fine.status == "succeeded"
 
 
 def test_fetcher_refuses_names_that_cannot_be_encoded(env: FaultEnv) -> None:

@@ -1,0 +1,72 @@
+"""Worker metrics and structured logs, from a real loop on real Redis."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from config.logs import JsonFormatter, configure_logging, log_context
+from config.results import open_store
+from config.settings import BatchPolicy
+from producers.client import Client
+from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation
+from tests.support.services import wait_until
+from workers.fleet.loop import BatchLoop, LoopConfig
+from workers.fleet.metrics import WorkerMetrics
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not exported")
+
+
+def test_worker_metrics_follow_a_job(settings):
+    import redis
+
+    client = Client(settings)
+    job = client.submit_many([_conversation("text", n) for n in range(12)])
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    policies = {
+        m: BatchPolicy(max_batch_size=8, max_wait_s=0.01, token_budget=10**6)
+        for m in ("text", "image", "video")
+    }
+    config = LoopConfig(modalities=["text"], policies=policies, worker="w")
+    loop = BatchLoop(
+        config,
+        RecordingEngine(),
+        redis.Redis.from_url(settings.redis_url),
+        open_store(settings.results_url, settings.s3_endpoint_url),
+        metrics=metrics,
+    )
+    with Running(loop):
+        wait_until(lambda: client.status(job)["finished"], what="job")
+        loop.heartbeat()
+    text = generate_latest(registry).decode()
+    assert _value(text, "vlmq_tasks_total", modality="text", status="succeeded") == 12
+    assert _value(text, "vlmq_batch_size_count", modality="text") >= 2
+    assert _value(text, "vlmq_batch_fill_sum", modality="text") > 0
+    assert _value(text, "vlmq_stage_seconds_count", stage="queue_wait", modality="text") == 12
+    assert _value(text, "vlmq_stage_seconds_count", stage="upload", modality="text") == 12
+    assert _value(text, "vlmq_queue_depth", modality="text") == 0
+
+
+def test_json_logs_carry_task_job_batch_and_worker(capsys):
+    configure_logging("info", "json")
+    log = logging.getLogger("vlmq.test")
+    with log_context(worker="w1", batch_id="b1"), log_context(task_id="t1", job_id="j1"):
+        log.info("task done")
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert line["message"] == "task done" and line["level"] == "info"
+    assert (line["task_id"], line["job_id"], line["batch_id"], line["worker"]) == (
+        "t1",
+        "j1",
+        "b1",
+        "w1",
+    )
+    assert isinstance(JsonFormatter(), logging.Formatter)
+    logging.getLogger().handlers.clear()

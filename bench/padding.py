@@ -18,24 +18,11 @@ from typing import Any
 
 import torch
 
+from bench.common import WORDS
 from config.schemas import Request
 from config.settings import EngineSettings, MediaSettings
 from workers.engine import Engine
 
-WORDS = [
-    "queue",
-    "batch",
-    "token",
-    "image",
-    "video",
-    "frame",
-    "worker",
-    "model",
-    "redis",
-    "result",
-    "status",
-    "prompt",
-]
 
 
 def mixed_workload(n: int, seed: int = 0) -> list[Request]:

@@ -3,9 +3,12 @@ server), e2e (real worker processes). Markers are applied by path."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+from tests.support.services import MotoServer, RedisServer
 
 TIERS = ("unit", "integration", "e2e")
 
@@ -16,3 +19,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    server = MotoServer().start()
+    yield server
+    server.stop()

@@ -24,7 +24,6 @@ from config.settings import EngineSettings, MediaSettings
 from workers.engine import Engine
 
 
-
 def mixed_workload(n: int, seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     requests = []

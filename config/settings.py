@@ -129,6 +129,9 @@ class FleetSettings(BaseModel):
     store_retry_max_s: float = Field(10.0, gt=0)
     redis_socket_timeout_s: float = 10.0
     task_ttl_s: int = 7 * 86400
+    # Publish Celery task events (received/started/succeeded/failed) so Flower
+    # shows the inference tasks; three extra publishes per task.
+    task_events: bool = False
 
 
 class ApiSettings(BaseModel):

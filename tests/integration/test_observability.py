@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -70,3 +71,71 @@ def test_json_logs_carry_task_job_batch_and_worker(capsys):
     )
     assert isinstance(JsonFormatter(), logging.Formatter)
     logging.getLogger().handlers.clear()
+
+
+def test_task_events_reach_a_celery_event_receiver(settings):
+    import threading
+
+    import redis
+    from celery import Celery
+
+    from workers.fleet.events import TaskEvents
+
+    app = Celery(broker=settings.redis_url, set_as_current=False)
+    app.conf.update(accept_content=["json"])
+    captured: list[dict] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        with app.connection() as conn:
+            receiver = app.events.Receiver(conn, handlers={"*": captured.append})
+            for _ in receiver.itercapture(limit=None, timeout=1, wakeup=False):
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=lambda: _quietly(listen), daemon=True)
+    thread.start()
+    events = TaskEvents(settings.redis_url, "events-test")
+    # Pub/sub drops what is sent before the receiver subscribes: probe until heard.
+    wait_until(
+        lambda: events.started(["probe"]) or any(e.get("uuid") == "probe" for e in captured),
+        timeout=20,
+        interval=0.2,
+        what="the receiver to subscribe",
+    )
+    client = Client(settings)
+    job = client.submit_many([_conversation("text", n) for n in range(3)])
+    policies = {
+        m: BatchPolicy(max_batch_size=8, max_wait_s=0.01, token_budget=10**6)
+        for m in ("text", "image", "video")
+    }
+    loop = BatchLoop(
+        LoopConfig(modalities=["text"], policies=policies, worker="w"),
+        RecordingEngine(),
+        redis.Redis.from_url(settings.redis_url),
+        open_store(settings.results_url, settings.s3_endpoint_url),
+        events=events,
+    )
+    with Running(loop):
+        wait_until(lambda: client.status(job)["finished"], what="job")
+    ids = set(client.job_task_ids(job))
+    wait_until(
+        lambda: {e["uuid"] for e in captured if e["type"] == "task-succeeded"} >= ids,
+        what="succeeded events",
+    )
+    stop.set()
+    kinds = {(e["type"], e["uuid"]) for e in captured if e.get("uuid") in ids}
+    for task_id in ids:
+        assert {
+            ("task-received", task_id),
+            ("task-started", task_id),
+            ("task-succeeded", task_id),
+        } <= kinds
+    received = next(e for e in captured if e["type"] == "task-received" and e["uuid"] in ids)
+    assert received["name"] == "vlmq.generate" and received["hostname"] == "events-test"
+
+
+def _quietly(target) -> None:
+    # The receiver's socket closes with the test's Redis.
+    with contextlib.suppress(Exception):
+        target()

@@ -32,6 +32,7 @@ from config.settings import BatchPolicy, WebhookSettings
 from config.status import TERMINAL, Keys, TaskState
 from config.statusdb import StatusDB
 from config.wire import TaskMessage, WireError, decode_message
+from workers.fleet.events import TaskEvents
 from workers.fleet.metrics import WorkerMetrics
 from workers.fleet.settle import Settlement, Settler
 from workers.fleet.webhooks import WebhookSender
@@ -91,8 +92,10 @@ class BatchLoop:
         store: ResultStore,
         keys: Keys | None = None,
         metrics: WorkerMetrics | None = None,
+        events: TaskEvents | None = None,
     ) -> None:
         self.config = config
+        self.events = events
         # A private registry unless the process serves /metrics (tests run many loops).
         self.metrics = metrics or WorkerMetrics(CollectorRegistry())
         self.engine = engine
@@ -367,6 +370,8 @@ class BatchLoop:
             else:
                 self.settler.intake.ack([item.delivery.task_id])
                 self._release([item.delivery.task_id])
+        if self.events is not None:
+            self.events.started([item.delivery.task_id for item in started])
         return started
 
     def _count_attempt(self, group: list[_Work]) -> None:
@@ -398,6 +403,8 @@ class BatchLoop:
         record["attempts"] = item.attempts
         record["deliveries"] = item.delivery.deliveries
         self.metrics.observe_result(record)
+        if self.events is not None:
+            self.events.finished(record)
         with log_context(task_id=result.id, job_id=result.job_id):
             log.info("task %s %s", result.id, result.status)
         state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
@@ -464,6 +471,8 @@ class BatchLoop:
             self._release(leftover)
         self.settler.close()
         self.webhooks.close()
+        if self.events is not None:
+            self.events.close()
 
 
 def _decoded(value: Any) -> str:

@@ -25,6 +25,7 @@ from prometheus_client import start_http_server
 from config.results import open_store
 from config.settings import Settings
 from config.status import Keys
+from workers.fleet.events import TaskEvents
 from workers.fleet.loop import BatchLoop, LoopConfig
 from workers.fleet.metrics import WorkerMetrics
 
@@ -77,7 +78,14 @@ class WorkerService:
             store_retry_max_s=fleet.store_retry_max_s,
             webhooks=self.settings.webhooks,
         )
-        self.loop = BatchLoop(config, self.engine, client, store, self.keys, self._metrics())
+        events = (
+            TaskEvents(self.settings.redis_url, self.name.replace(":", "-"))
+            if fleet.task_events
+            else None
+        )
+        self.loop = BatchLoop(
+            config, self.engine, client, store, self.keys, self._metrics(), events
+        )
         return self
 
     def _metrics(self) -> WorkerMetrics | None:

@@ -43,9 +43,9 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-## bench: batched vs sequential engine throughput (writes bench/README.md table)
+## bench: the performance report (bench/REPORT.md + bench/throughput.png)
 bench: setup
-	$(BIN)/python -m bench.engine_throughput --write bench/README.md
+	$(BIN)/python -m bench.report
 
 clean:
 	rm -rf .vlmq bench/out .pytest_cache .mypy_cache .ruff_cache

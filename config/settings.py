@@ -90,8 +90,9 @@ class EngineSettings(BaseModel):
     max_new_tokens_default: int = Field(128, ge=1)
     max_new_tokens_cap: int = Field(2048, ge=1)
     max_batch_size: int = Field(32, ge=1)
-    # Padded tokens (prompt incl. visual tokens, plus new tokens) per micro-batch.
-    token_budget: int = Field(32768, ge=1)
+    # Padded tokens (prompt incl. visual tokens, plus new tokens) per micro-batch:
+    # the device's limit. A class's batch policy may only lower it.
+    token_budget: int = Field(65536, ge=1)
     # Sort each pulled batch by length before cutting micro-batches, so rows of
     # similar length are padded together (off: first-come order, for comparison).
     length_bucketing: bool = True
@@ -169,8 +170,8 @@ def _default_policies() -> dict[str, BatchPolicy]:
     return {
         # A pull larger than the engine's micro-batch is the bucketing window:
         # the engine sorts it by length and cuts similar-length micro-batches.
-        "text": BatchPolicy(max_batch_size=128, max_wait_s=0.05, token_budget=262144),
-        "image": BatchPolicy(max_batch_size=64, max_wait_s=0.1, token_budget=131072),
+        "text": BatchPolicy(max_batch_size=128, max_wait_s=0.05, token_budget=32768),
+        "image": BatchPolicy(max_batch_size=64, max_wait_s=0.1, token_budget=49152),
         "video": BatchPolicy(max_batch_size=8, max_wait_s=0.2, token_budget=65536),
     }
 

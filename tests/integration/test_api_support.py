@@ -32,7 +32,9 @@ class EchoEngine:
     def __init__(self) -> None:
         self.ran: list[str] = []
 
-    def run(self, requests: Any, worker: str | None = None) -> list[Result]:
+    def run(
+        self, requests: Any, worker: str | None = None, token_budget: int | None = None
+    ) -> list[Result]:
         self.ran += [r.id for r in requests]
         return [self._answer(r, len(requests), worker) for r in requests]
 

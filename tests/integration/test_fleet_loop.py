@@ -31,7 +31,7 @@ class RecordingEngine:
         self.ran: list[str] = []
         self.batches: list[int] = []
 
-    def run(self, requests, worker=None):
+    def run(self, requests, worker=None, token_budget=None):
         if self.delay_s:
             time.sleep(self.delay_s)
         self.batches.append(len(requests))
@@ -297,3 +297,21 @@ def test_an_existing_task_id_is_refused(settings):
         client.submit_many([request])
     with pytest.raises(InvalidRequest, match="already exists"):
         client.submit(request)
+
+
+def test_the_class_token_budget_reaches_the_engine(settings):
+    class BudgetEngine(RecordingEngine):
+        budgets: ClassVar[list] = []
+
+        def run(self, requests, worker=None, token_budget=None):
+            BudgetEngine.budgets.append(token_budget)
+            return super().run(requests, worker)
+
+    client = Client(settings)
+    job = client.submit_many([_conversation("image", n) for n in range(3)])
+    policies = dict(settings.batch)
+    policies["image"] = policies["image"].model_copy(update={"token_budget": 1234})
+    loop = _loop(settings.model_copy(update={"batch": policies}), BudgetEngine())
+    with Running(loop):
+        wait_until(lambda: _job_done(client, job), what="job")
+    assert BudgetEngine.budgets == [1234]

@@ -85,22 +85,34 @@ class Engine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # serving ---------------------------------------------------------------
-    def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]:
-        return [self.to_result(o, worker) for o in self.run_outcomes(requests)]
+    def run(
+        self,
+        requests: Sequence[Request],
+        worker: str | None = None,
+        token_budget: int | None = None,
+    ) -> list[Result]:
+        """One result per request, in order; ``token_budget`` (a class's batch
+        policy) can only lower the engine's padded-token budget, which is the
+        device's limit."""
+        outcomes = self.run_outcomes(requests, token_budget)
+        return [self.to_result(o, worker) for o in outcomes]
 
-    def run_outcomes(self, requests: Sequence[Request]) -> list[Outcome]:
+    def run_outcomes(
+        self, requests: Sequence[Request], token_budget: int | None = None
+    ) -> list[Outcome]:
         if self.loaded is None:
             raise RuntimeError("Engine.setup() must run before Engine.run()")
         prepared = self._preparer.prepare_all(list(requests))
         outcomes = {id(p): Outcome(p, error=p.error) for p in prepared}
         ready = [p for p in prepared if p.error is None]
-        for micro_batch in self._plan(ready):
+        budget = min(token_budget or self.settings.token_budget, self.settings.token_budget)
+        for micro_batch in self._plan(ready, budget):
             for item, completion, error in self._run_safely(micro_batch):
                 outcomes[id(item)].completion = completion
                 outcomes[id(item)].error = error
         return [outcomes[id(p)] for p in prepared]
 
-    def _plan(self, ready: list[Prepared]) -> list[list[Prepared]]:
+    def _plan(self, ready: list[Prepared], budget: int) -> list[list[Prepared]]:
         """Micro-batches under the row cap and token budget.
 
         InternVL's processor stacks all videos of one call, so their frame
@@ -115,7 +127,6 @@ class Engine:
         if len(groups) > 1:
             plain = groups.pop(())
             max(groups.values(), key=len).extend(plain)
-        budget = self.settings.token_budget
         return [
             batch
             for group in groups.values()

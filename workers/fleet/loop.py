@@ -46,7 +46,12 @@ log = logging.getLogger(__name__)
 class EngineLike(Protocol):
     model_name: str
 
-    def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]: ...
+    def run(
+        self,
+        requests: Sequence[Request],
+        worker: str | None = None,
+        token_budget: int | None = None,
+    ) -> list[Result]: ...
 
 
 @dataclass
@@ -384,13 +389,21 @@ class BatchLoop:
     def _run_group(self, group: list[_Work]) -> None:
         requests = [w.request for w in group if w.request is not None]
         try:
-            results = self.engine.run(requests, worker=self.config.worker)
+            results = self.engine.run(
+                requests, worker=self.config.worker, token_budget=self._budget(group)
+            )
         except Exception as exc:  # the engine itself broke: fail each, never drop
             log.exception("engine failed on a batch of %d", len(requests))
             results = [_failed_result(r, exc, self.engine.model_name) for r in requests]
         self.settler.submit_many(
             [self._settlement(item, result) for item, result in zip(group, results, strict=True)]
         )
+
+    def _budget(self, group: list[_Work]) -> int | None:
+        """The padded-token budget of the group's class (its batch policy)."""
+        request = group[0].request if group else None
+        policy = self.config.policies.get(request.modality.value) if request else None
+        return policy.token_budget if policy else None
 
     def _settlement(self, item: _Work, result: Result) -> Settlement:
         record = result.model_dump(mode="json")

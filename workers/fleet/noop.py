@@ -28,7 +28,12 @@ class NoopEngine:
     def close(self) -> None:
         pass
 
-    def run(self, requests: Sequence[Request], worker: str | None = None) -> list[Result]:
+    def run(
+        self,
+        requests: Sequence[Request],
+        worker: str | None = None,
+        token_budget: int | None = None,
+    ) -> list[Result]:
         if self.crash_marker and any(self.crash_marker in _text(r) for r in requests):
             os._exit(86)  # stands in for a segfault or an OOM kill
         if self.batch_delay_s:

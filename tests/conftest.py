@@ -11,6 +11,10 @@ import pytest
 from tests.support.services import MotoServer, RedisServer
 
 TIERS = ("unit", "integration", "e2e")
+# Tiers that run several real processes against deadlines on a shared 2-core
+# machine: one rerun absorbs a scheduling stall; a rerun is reported (-rR), so
+# a test that needs it is visible, never silent.
+RERUN_TIERS = ("e2e", "faults")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -19,6 +23,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if any(tier in parts for tier in RERUN_TIERS):
+            item.add_marker(pytest.mark.flaky(reruns=1))
 
 
 @pytest.fixture

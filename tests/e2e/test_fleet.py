@@ -181,3 +181,19 @@ def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
     poison = next(i for i in client.job_task_ids(job) if client.status(i)["custom_id"] == "c0")
     assert client.result(poison)["error"]["code"] == "dead_lettered"
     assert client.redis.llen(Keys().dead_letters()) == 1
+
+
+def test_a_stuck_batch_makes_the_worker_exit_and_its_work_move_on(fleet, fleet_env):
+    client = _client(fleet_env)
+    job = _submit_text(client, 20)
+    stuck = fleet.start(
+        *NOOP,
+        "--noop-delay",
+        "30",
+        "--no-celery",
+        env={**BATCH16, "VLMQ_FLEET__BATCH_TIME_LIMIT_S": "1.5"},
+    )
+    assert stuck.wait(60) == 70  # the watchdog's exit code: intake is never wedged
+    fleet.start(*NOOP, "--noop-delay", "0.05", env=BATCH16)
+    wait_until(lambda: _job_finished(client, job), timeout=90, what="the job elsewhere")
+    assert client.status(job)["counts"]["succeeded"] == 20

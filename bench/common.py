@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import platform
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 from config.schemas import Request
 
-__all__ = ["machine", "replace_section", "workload"]
+__all__ = ["machine", "replace_section", "require_success", "run_in_batches", "workload"]
 
 WORDS = [
     "queue",
@@ -90,6 +91,24 @@ def workload(
             )
         )
     return requests
+
+
+def run_in_batches(
+    engine: Any, requests: list[Request], batch_size: int
+) -> tuple[float, list[Any]]:
+    """Time ``requests`` through ``engine`` in consecutive batches of ``batch_size``."""
+    engine.set_max_batch_size(batch_size)
+    started = time.perf_counter()
+    results: list[Any] = []
+    for start in range(0, len(requests), batch_size):
+        results += engine.run(requests[start : start + batch_size])
+    return time.perf_counter() - started, results
+
+
+def require_success(results: list[Any]) -> None:
+    failed = [r for r in results if r.status != "succeeded"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error}")
 
 
 def replace_section(path: Path, marker: str, body: str) -> None:

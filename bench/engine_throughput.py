@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import machine, replace_section, workload
+from bench.common import machine, replace_section, require_success, run_in_batches, workload
 from config.settings import EngineSettings, MediaSettings
 from workers.engine import Engine
 
@@ -28,16 +27,8 @@ MODALITIES = ("text", "image", "video")
 
 
 def _measure(engine: Engine, requests: list, batch_size: int) -> tuple[float, int]:
-    engine._max_rows = batch_size
-    engine.settings = engine.settings.model_copy(update={"max_batch_size": batch_size})
-    started = time.perf_counter()
-    results = []
-    for start in range(0, len(requests), batch_size):
-        results += engine.run(requests[start : start + batch_size])
-    elapsed = time.perf_counter() - started
-    failed = [r for r in results if r.status != "succeeded"]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error}")
+    elapsed, results = run_in_batches(engine, requests, batch_size)
+    require_success(results)
     return elapsed, sum(r.usage.completion_tokens for r in results)
 
 

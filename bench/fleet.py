@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from bench.common import machine, replace_section, workload
+from bench.common import machine, replace_section, run_in_batches, workload
 from config.schemas import Request
 from config.settings import EngineSettings, MediaSettings, Settings
 from config.status import Keys
@@ -395,12 +395,7 @@ def _in_process_engine(model_dir: Path, max_batch_size: int) -> Any:
 
 
 def _time_engine(engine: Any, requests: list[Request], batch_size: int) -> float:
-    engine._max_rows = batch_size
-    started = time.perf_counter()
-    results = []
-    for start in range(0, len(requests), batch_size):
-        results += engine.run(requests[start : start + batch_size])
-    took = time.perf_counter() - started
+    took, results = run_in_batches(engine, requests, batch_size)
     _check_records([r.model_dump(mode="json") for r in results])
     _progress(f"in-process bs={batch_size}: {len(requests) / took:.2f} req/s")
     return took

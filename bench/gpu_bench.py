@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, replace_section, workload
+from bench.common import machine, replace_section, require_success, run_in_batches, workload
 from config.schemas import Request
 from config.settings import EngineSettings, MediaSettings
 from workers.engine import Engine
@@ -326,17 +326,9 @@ def _allocated_gib(device: str) -> float | None:
 
 def measure(engine: Engine, requests: list[Request], batch_size: int, device: str) -> Measurement:
     """Run ``requests`` in micro-batches of ``batch_size``; all must succeed."""
-    engine._max_rows = batch_size
-    engine.settings = engine.settings.model_copy(update={"max_batch_size": batch_size})
     _reset_peak(device)
-    started = time.perf_counter()
-    results = []
-    for start in range(0, len(requests), batch_size):
-        results += engine.run(requests[start : start + batch_size])
-    elapsed = time.perf_counter() - started
-    failed = [r for r in results if r.status != "succeeded"]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error}")
+    elapsed, results = run_in_batches(engine, requests, batch_size)
+    require_success(results)
     return Measurement(
         seconds=elapsed,
         requests=len(results),

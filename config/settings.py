@@ -68,6 +68,10 @@ class MediaSettings(BaseModel):
     allow_private_addresses: bool = False
 
 
+# Exit status of a worker killed on purpose by FaultInjection.crash_marker.
+EXIT_INJECTED_CRASH = 86
+
+
 class FaultInjection(BaseModel):
     """Testing only: deterministic faults, so the GPU failure paths run on CPU."""
 

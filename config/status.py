@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["TERMINAL", "Keys", "TaskState"]
+__all__ = ["LANES", "TERMINAL", "Keys", "TaskState"]
+
+# The lanes of each class: interactive is drained before any bulk work.
+LANES = ("interactive", "bulk")
 
 
 class TaskState(str, Enum):

@@ -23,7 +23,7 @@ from typing import Any
 from config.jsonl import LineError, ParsedLine, parse_line
 from config.schemas import Request, new_task_id
 from config.status import TaskState
-from producers.client import Client
+from producers.client import Client, expiry_after
 
 __all__ = ["SubmitReport", "submit_jsonl"]
 
@@ -102,7 +102,7 @@ class _ChunkWriter:
                 self._supersede(pipe, *previous)
             fresh.append(request)
         if fresh:
-            self.client.enqueue(pipe, fresh, self.lane, _expiry(self.expires_in_s))
+            self.client.enqueue(pipe, fresh, self.lane, expiry_after(self.expires_in_s))
             mapping = {str(r.custom_id): f"{r.id}:{self.submission}" for r in fresh}
             pipe.hset(self.keys.job_custom_ids(self.job_id), mapping=mapping)  # type: ignore[arg-type]
             pipe.rpush(self.keys.job_tasks(self.job_id), *[r.id for r in fresh])
@@ -178,14 +178,6 @@ class _ChunkWriter:
             str(error.line),
             json.dumps(error.to_record(), separators=(",", ":")),
         )
-
-
-def _expiry(expires_in_s: float | None) -> Any:
-    from datetime import datetime, timedelta, timezone
-
-    if not expires_in_s:
-        return None
-    return datetime.now(timezone.utc) + timedelta(seconds=expires_in_s)
 
 
 def submit_jsonl(

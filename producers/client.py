@@ -29,9 +29,7 @@ from config.status import Keys, TaskState
 from config.statusdb import StatusDB
 from config.wire import encode_message, list_for_priority
 
-__all__ = ["LANES", "Client"]
-
-LANES = {"bulk": 0, "interactive": 0}
+__all__ = ["Client", "as_request", "expiry_after"]
 
 
 def as_request(item: Any, **overrides: Any) -> Request:
@@ -123,7 +121,7 @@ class Client:
         """Validate and enqueue one conversation; returns its task id."""
         request = as_request(conversation, **fields)
         self._refuse_known_ids([request])
-        expires = _expiry(expires_in_s)
+        expires = expiry_after(expires_in_s)
         pipe = self.redis.pipeline(transaction=True)
         self.enqueue(pipe, [request], lane, expires)
         pipe.execute()
@@ -148,7 +146,7 @@ class Client:
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
         self._refuse_known_ids(requests)
         self.open_job(job_id, name=name, expires_in_s=expires_in_s)
-        expires = _expiry(expires_in_s)
+        expires = expiry_after(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
             pipe = self.redis.pipeline(transaction=True)
             self.enqueue(pipe, batch, lane, expires)
@@ -247,7 +245,8 @@ def _validated(item: Any, index: int, job_id: str) -> Request:
         raise InvalidRequest(f"item {index}: {exc.message}") from None
 
 
-def _expiry(expires_in_s: float | None) -> datetime | None:
+def expiry_after(expires_in_s: float | None) -> datetime | None:
+    """The absolute expiry of a task enqueued now, or None for no expiry."""
     if not expires_in_s:
         return None
     return datetime.now(timezone.utc) + timedelta(seconds=expires_in_s)

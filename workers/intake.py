@@ -192,14 +192,6 @@ class Intake:
         """Put back messages whose holder stopped renewing their lease."""
         return int(self._requeue(keys=self._bookkeeping(), args=[f"{now:.3f}", limit]))
 
-    def depth(self) -> int:
-        """Messages waiting in this class's lists, job lists included."""
-        jobs = [_text(j) for j in self.redis.smembers(self.active_jobs)]
-        pipe = self.redis.pipeline(transaction=False)
-        for name in [*self.lists, *jobs]:
-            pipe.llen(name)
-        return int(sum(pipe.execute()))
-
 
 _STATUS_FIELDS = ("state", "attempts", "job_id", "queued_at", "expires_at")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from config.queues import queue_depth
 from producers.api.context import ApiContext
 from producers.api.errors import ApiError
-from producers.api.limits import queue_depth
 
 __all__ = ["RETRY_FULL_S", "check_capacity"]
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from config.errors import GenerationFailed, OutOfMemory, VlmqError
+from config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
 from config.schemas import Request, Result, Usage
 from config.settings import EngineSettings, MediaSettings
 from workers.engine.batching import plan_micro_batches
@@ -80,6 +80,11 @@ class Engine:
                 self.loaded, self.settings, self.media_settings, self.loader, self._pool
             )
         return self
+
+    def set_max_batch_size(self, rows: int) -> None:
+        """Change the row cap of later micro-batches (benchmarks sweep it)."""
+        self.settings = self.settings.model_copy(update={"max_batch_size": rows})
+        self._max_rows = rows
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -184,8 +189,6 @@ class Engine:
     def _drop_rows(
         self, items: list[Prepared], rows: list[int]
     ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
-        from config.errors import PromptTooLong
-
         limit = self.loaded.context_length if self.loaded else 0
         failed = [
             (items[i], None, PromptTooLong(f"prompt plus max_new_tokens exceeds context {limit}"))

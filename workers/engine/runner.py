@@ -19,7 +19,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from config.errors import OutOfMemory
 from config.schemas import FinishReason, TextPart
-from config.settings import FaultInjection
+from config.settings import EXIT_INJECTED_CRASH, FaultInjection
 from workers.engine.controls import RowSampler, RowSampling, RowStopper
 from workers.engine.model import LoadedModel
 from workers.engine.prepare import Prepared
@@ -40,9 +40,6 @@ class Completion:
     padding_ratio: float
     generate_s: float
     collate_s: float = 0.0
-
-
-EXIT_INJECTED_CRASH = 86
 
 
 class RowsTooLong(Exception):

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from config.errors import DeadLettered, Expired, InvalidRequest, PermanentError, error_record
 from config.jsonl import describe_validation_error
 from config.logs import log_context
+from config.queues import queue_depth
 from config.results import ResultStore
 from config.schemas import Request, Result
 from config.settings import BatchPolicy, WebhookSettings
@@ -157,8 +158,9 @@ class BatchLoop:
         if started is not None and time.monotonic() - started > self.config.batch_time_limit_s:
             return False
         self.reaper.renew(self.held(), self.lease_deadline())
-        for modality, intake in self.intakes.items():
-            self.metrics.queue_depth.labels(modality).set(intake.depth())
+        depths = queue_depth(self.status.redis, self.keys, self.config.modalities)
+        for modality, depth in depths.items():
+            self.metrics.queue_depth.labels(modality).set(depth)
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             self.metrics.observe_engine(stats)
@@ -289,8 +291,8 @@ class BatchLoop:
         # A request that ran before without finishing (its worker died) runs
         # alone, least-tried first, so a request that kills its worker cannot
         # take its batch-mates down with it again.
-        fresh = [w for w in runnable if w.delivery.status.get("attempts") is None]
-        suspects = sorted((w for w in runnable if w not in fresh), key=lambda w: w.attempts)
+        fresh = [w for w in runnable if _first_run(w)]
+        suspects = sorted((w for w in runnable if not _first_run(w)), key=lambda w: w.attempts)
         if fresh:  # their attempt was counted when they started
             self._run_group(fresh)
         for suspect in suspects:
@@ -490,6 +492,12 @@ class BatchLoop:
 
 def _decoded(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _first_run(item: _Work) -> bool:
+    """Never handed to an engine before this delivery (its attempt was counted
+    as it started)."""
+    return item.delivery.status.get("attempts") is None
 
 
 def _unique(deliveries: list[Delivery]) -> list[Delivery]:

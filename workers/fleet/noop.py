@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from config.schemas import FinishReason, Request, Result, Usage
+from config.settings import EXIT_INJECTED_CRASH
 
 __all__ = ["NoopEngine"]
 
@@ -35,7 +36,7 @@ class NoopEngine:
         token_budget: int | None = None,
     ) -> list[Result]:
         if self.crash_marker and any(self.crash_marker in _text(r) for r in requests):
-            os._exit(86)  # stands in for a segfault or an OOM kill
+            os._exit(EXIT_INJECTED_CRASH)  # stands in for a segfault or an OOM kill
         if self.batch_delay_s:
             time.sleep(self.batch_delay_s)
         return [

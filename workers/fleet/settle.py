@@ -115,9 +115,6 @@ class Settler:
             self.on_upload(time.perf_counter() - started, str(record.get("modality") or "unknown"))
         return url
 
-    def finish(self, task_id: str, state: TaskState, fields: dict[str, Any]) -> None:
-        self.finish_many([Settlement({"id": task_id}, state, fields)])
-
     def finish_many(self, settlements: Sequence[Settlement]) -> None:
         """Terminal statuses and acknowledgements in one transaction (retried
         while Redis is unreachable: the objects are already stored)."""

@@ -1,11 +1,16 @@
-# One command set for humans, README and CI.
+# One command set for humans, README and CI. `make help` lists the targets.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit test-integration test-e2e lint format bench clean
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test test-unit test-integration test-e2e test-faults lint format bench clean
+
+## help: list the targets
+help:
+	@sed -n 's/^## \([a-z-]*\): /\1|/p' $(MAKEFILE_LIST) | awk -F'|' '{printf "  %-18s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,32 +18,40 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[worker,api,dev]'
 	touch $(STAMP)
 
-## setup: virtualenv with the worker and dev extras (~6 GB, ~2 min)
+## setup: virtualenv with the worker, API and dev extras (~6 GB, ~2 min)
 setup: $(STAMP)
 
 ## demo: the main job end to end on the embedded default
 demo: setup
 	$(BIN)/vlmq demo
 
-## test: the whole suite (unit, integration, e2e), CPU only
+## test: the whole suite (unit, integration, e2e, faults), CPU only
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## test-unit: pure-Python tests, no services
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
+## test-integration: real Redis and S3 server
 test-integration: setup
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
+## test-e2e: real worker processes
 test-e2e: setup
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
-## lint: ruff and mypy
+## test-faults: fault drills and hostile input (CI sizes; full figures: bench.faults)
+test-faults: setup
+	$(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
+
+## lint: ruff (check and format) and mypy (vlmq, tests, bench)
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+## format: apply ruff's fixes and formatting
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
@@ -47,5 +60,6 @@ format: setup
 bench: setup
 	$(BIN)/python -m bench.report
 
+## clean: remove run and tool caches (not the virtualenv)
 clean:
-	rm -rf .vlmq bench/out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .vlmq bench/out .pytest_cache .mypy_cache .ruff_cache build *.egg-info

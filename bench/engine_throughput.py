@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from bench.common import machine, replace_section, require_success, run_in_batches, workload
-from config.settings import EngineSettings, MediaSettings
-from workers.engine import Engine
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.engine import Engine
 
 MODALITIES = ("text", "image", "video")
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> str:
     for size in args.sizes:
         model_dir = workdir / f"{args.family}-{size}"
         if not (model_dir / "config.json").exists():
-            from workers.tiny import build_tiny_model
+            from vlmq.workers.testing.tiny import build_tiny_model
 
             build_tiny_model(model_dir, args.family, size=size)
         settings = EngineSettings(

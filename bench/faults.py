@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, replace_section
-from tests.faults import scenarios
-from tests.faults.harness import Harness
+from vlmq.workers.testing.faults import scenarios
+from vlmq.workers.testing.faults.harness import Harness
 
 FULL = {"kill_tasks": 2000, "kills": 5, "redis_tasks": 1000, "s3_tasks": 600, "outage_s": 30.0}
 QUICK = {"kill_tasks": 240, "kills": 2, "redis_tasks": 200, "s3_tasks": 150, "outage_s": 6.0}
@@ -37,7 +37,7 @@ def _run(
 
 
 def run(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    from workers.tiny import build_tiny_model
+    from vlmq.workers.testing.tiny import build_tiny_model
 
     model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "qwen", "qwen2_5_vl"))
     return {

@@ -34,12 +34,12 @@ from typing import Any
 import redis
 
 from bench.common import machine, replace_section, run_in_batches, workload
-from config.schemas import Request
-from config.settings import EngineSettings, MediaSettings, Settings
-from config.status import Keys
-from config.wire import TASK_NAME, decode_message
-from producers.client import Client
-from producers.localredis import LocalRedis
+from vlmq.config.keys import Keys
+from vlmq.config.schemas import Request
+from vlmq.config.settings import EngineSettings, MediaSettings, Settings
+from vlmq.config.wire import TASK_NAME, decode_message
+from vlmq.producers.client import Client
+from vlmq.workers.testing.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "vlmq.text"
@@ -100,7 +100,7 @@ class Bench:
 
     def start_worker(self, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
         log = (self.tmp / f"worker-{len(self.procs)}.log").open("wb")
-        command = [sys.executable, "-m", "producers", "worker", "--modality", "text", *args]
+        command = [sys.executable, "-m", "vlmq", "worker", "--modality", "text", *args]
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.procs.append(proc)
@@ -163,7 +163,7 @@ def _registered(bench: Bench) -> bool:
 
 
 def _finished(bench: Bench, job: str) -> bool:
-    return bool(bench.client.status_db.job(job)["finished"])
+    return bench.client.status_db.job(job).finished
 
 
 def _text_items(n: int, prefix: str) -> list[dict[str, Any]]:
@@ -365,7 +365,7 @@ def measure_drain(bench: Bench, sizes: Sizes, report: Report) -> None:
 def _model_dir(workdir: Path) -> Path:
     model_dir = workdir / "qwen2_5_vl-small"
     if not (model_dir / "config.json").exists():
-        from workers.tiny import build_tiny_model
+        from vlmq.workers.testing.tiny import build_tiny_model
 
         _progress(f"building the small checkpoint in {model_dir}")
         build_tiny_model(model_dir, "qwen2_5_vl", size="small")
@@ -382,7 +382,7 @@ def _items(requests: Sequence[Request]) -> list[dict[str, Any]]:
 def _in_process_engine(model_dir: Path, max_batch_size: int) -> Any:
     import torch
 
-    from workers.engine import Engine
+    from vlmq.workers.engine import Engine
 
     torch.set_num_threads(1)
     settings = EngineSettings(

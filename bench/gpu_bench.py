@@ -7,12 +7,12 @@
     python -m bench.gpu_bench --build-only --device cpu --families qwen3_vl   # time a build
 
 Checkpoints have the published dimensions of Qwen2.5-VL-3B, Qwen3-VL-2B and InternVL3-2B-hf
-(``workers.tiny`` size "real") and random weights. They are built without the network, fast:
-the model is instantiated on the meta device, materialised in the target dtype directly on the
-target device (``to_empty``), initialised there by the model's own ``initialize_weights`` and
-saved with ``save_pretrained`` next to ``workers.tiny``'s tokenizer, processor and generation
-config, so the directory has the same files as ``build_tiny_model``'s. The engine then loads it by
-path, as it loads a real checkpoint.
+(``vlmq.workers.testing.tiny`` size "real") and random weights. They are built without the
+network, fast, by the one builder with its ``device`` option (``build_tiny_model(..., device=,
+dtype=)``): the model is instantiated on the meta device, materialised in the target dtype
+directly on the target device (``to_empty``), initialised there by the model's own
+``initialize_weights`` and saved with the builder's tokenizer, processor and generation config.
+The engine then loads it by path, as it loads a real checkpoint.
 
 For each attention implementation (SDPA first, then flash_attention_2 when ``flash_attn`` is
 importable), model and modality: a warm-up, ``--n-single`` requests one at a time, then one full
@@ -25,8 +25,6 @@ after every row, so a run cut short still leaves its rows.
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib.util
 import json
 import os
 import shlex
@@ -41,14 +39,14 @@ from typing import Any
 import torch
 
 from bench.common import machine, replace_section, require_success, run_in_batches, workload
-from config.schemas import Request
-from config.settings import EngineSettings, MediaSettings
-from workers.engine import Engine
-from workers.tiny import FAMILIES, build_config, build_processor
-from workers.tiny.builder import FAMILY_CLASSES, build_generation_config, chat_template
-from workers.tiny.tokenizer import build_tokenizer
+from vlmq.config.schemas import Request
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.engine import Engine
+from vlmq.workers.engine.model import flash_attention_available
+from vlmq.workers.engine.runner import free_device_memory
+from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model, count_parameters
 
-__all__ = ["Budget", "Clock", "Plan", "build_checkpoint", "count_parameters", "main", "run"]
+__all__ = ["Budget", "Clock", "Plan", "build_checkpoint", "main", "run"]
 
 MARKER = "gpu"
 MODALITIES = ("text", "image", "video")
@@ -158,21 +156,6 @@ class Checkpoint:
     reused: bool
 
 
-def _instantiate(family: str, size: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The family's model on the meta device (no memory, no init) and its tokenizer."""
-    tokenizer = build_tokenizer(family, chat_template=chat_template(family))
-    config = build_config(family, size, tokenizer)
-    with torch.device("meta"):
-        model = FAMILY_CLASSES[family].model._from_config(config, dtype=dtype)  # type: ignore[attr-defined]
-    return model, tokenizer
-
-
-def count_parameters(family: str, size: str) -> int:
-    """Parameter count of a size's model, from a meta-device instance (instant, no memory)."""
-    model, _ = _instantiate(family, size, torch.bfloat16)
-    return sum(p.numel() for p in model.parameters())
-
-
 def _stamp_path(out: Path) -> Path:
     return out.with_name(out.name + ".built.json")
 
@@ -200,31 +183,17 @@ def _reuse(out: Path, family: str, size: str, dtype: str, seed: int) -> Checkpoi
 def build_checkpoint(
     out: Path, family: str, size: str, device: str, dtype: str, seed: int = 0
 ) -> Checkpoint:
-    """Write a random-weight checkpoint with ``workers.tiny``'s layout, fast; reuse a stamped one.
-
-    meta-device instance -> ``to_empty`` on ``device`` in ``dtype`` -> the model's own
-    ``initialize_weights`` (normal(0, initializer_range), ones for norms, RoPE buffers) and weight
-    tying -> ``save_pretrained`` (safetensors in ``dtype``) plus tokenizer, processor and
-    generation config from ``workers.tiny``. On CPU init dominates (30-80 s for the real sizes);
-    on CUDA it should be seconds at most, leaving the bf16 safetensors write.
-    """
+    """A random-weight checkpoint made on ``device`` in ``dtype`` by the one builder
+    (``build_tiny_model(..., device=...)``), or the one this script stamped earlier with the
+    same family/size/dtype/seed. On CPU init dominates (30-80 s for the real sizes); on CUDA
+    it should be seconds at most, leaving the bf16 safetensors write."""
     reused = _reuse(out, family, size, dtype, seed)
     if reused is not None:
         return reused
     started = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = _instantiate(family, size, getattr(torch, dtype))
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gives every module its own storage: tie again
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.initialize_weights()
-    model.generation_config = build_generation_config(tokenizer)
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(out)
-    build_processor(family, size, tokenizer).save_pretrained(out)
-    del model
-    _free_memory()
+    build_tiny_model(out, family, size, seed, device=device, dtype=dtype)
+    free_device_memory()
+    params = count_parameters(family, size)
     info = {"family": family, "size": size, "dtype": dtype, "seed": seed, "params": params}
     _stamp_path(out).write_text(json.dumps(info), encoding="utf-8")
     return Checkpoint(
@@ -286,10 +255,6 @@ class Report:
     finished: bool = False
 
 
-def flash_attention_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 def flash_skip_reason(device: str, available: bool | None = None) -> str | None:
     """Why flash_attention_2 cannot run here, or None when it can."""
     if available is None:
@@ -299,12 +264,6 @@ def flash_skip_reason(device: str, available: bool | None = None) -> str | None:
     if not device.startswith("cuda"):
         return f"flash_attention_2 needs CUDA, the device is {device}"
     return None
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _reset_peak(device: str) -> None:
@@ -406,7 +365,7 @@ class Runner:
         message = f"{what}: failed: {type(exc).__name__}: {str(exc)[:300]}"
         self.clock.say(message)
         self.report.failed.append(message)
-        _free_memory()
+        free_device_memory()
         self._publish()
 
     def _publish(self) -> None:
@@ -468,7 +427,7 @@ class Runner:
         finally:
             engine.close()
             del engine
-            _free_memory()
+            free_device_memory()
 
     def _load(self, checkpoint: Checkpoint, name: str, attention: str) -> Engine | None:
         plan = self.plan
@@ -569,7 +528,7 @@ def _header(report: Report) -> list[str]:
         "",
         f"Machine: {machine()}. {_gpu_line()}.",
         "",
-        f"Checkpoints: random weights, `{plan.size}` dimensions of `workers.tiny`, {plan.dtype} "
+        f"Checkpoints: random weights, `{plan.size}` dimensions of the tiny builder, {plan.dtype} "
         f"on {plan.device}. Workload: `bench.common.workload` (text prompts of 4-24 words; one "
         f"224x224 image; a 16-frame 64x64 video at 8 fps). {plan.new_tokens} new tokens per "
         f"request (fixed). Batch size 1 over {plan.n_single} requests; large batch: one full "
@@ -681,7 +640,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--families", type=_csv, default=FAMILIES)
     add("--attn", type=_csv, default=ATTENTIONS, help="attention implementations, in order")
     add("--modalities", type=_csv, default=MODALITIES)
-    add("--size", default=None, help="workers.tiny size (default real; tiny with --cpu-smoke)")
+    add("--size", default=None, help="checkpoint size (default real; tiny with --cpu-smoke)")
     add("--device", default=None, help="default cuda (cpu with --cpu-smoke)")
     add("--dtype", default=None, help="default bfloat16 (float32 with --cpu-smoke)")
     add("--n-single", type=int, default=None, help="requests at batch size 1 (default 8)")

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from bench.common import WORDS
-from config.schemas import Request
-from config.settings import EngineSettings, MediaSettings
-from workers.engine import Engine
+from vlmq.config.schemas import Request
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.engine import Engine
 
 
 def mixed_workload(n: int, seed: int = 0) -> list[Request]:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.workdir).resolve() / f"qwen2_5_vl-{args.model_size}"
     if not (model_dir / "config.json").exists():
-        from workers.tiny import build_tiny_model
+        from vlmq.workers.testing.tiny import build_tiny_model
 
         build_tiny_model(model_dir, "qwen2_5_vl", size=args.model_size)
     requests = mixed_workload(args.n)

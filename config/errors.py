@@ -15,12 +15,10 @@ that never contains a raw exception text, a stack trace or an object repr.
     │   ├── PromptTooLong         prompt_too_long
     │   ├── GenerationFailed      generation_failed
     │   ├── DeadLettered          dead_lettered
-    │   ├── Cancelled             cancelled
     │   └── Expired               expired
     ├── RetryableError            transient; retried with backoff, then failed
     │   ├── MediaFetchTransient   media_fetch_failed (5xx, 429, timeout, DNS)
-    │   ├── StoreUnavailable      store_unavailable
-    │   └── BrokerUnavailable     broker_unavailable
+    │   └── StoreUnavailable      store_unavailable
     └── ConfigError               configuration_error (operator mistake, not a task error)
 
 ``OutOfMemory`` is internal to the engine: it halves the micro-batch and is
@@ -32,8 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "BrokerUnavailable",
-    "Cancelled",
     "ConfigError",
     "DeadLettered",
     "Expired",
@@ -134,10 +130,6 @@ class DeadLettered(PermanentError):
     code = "dead_lettered"
 
 
-class Cancelled(PermanentError):
-    code = "cancelled"
-
-
 class Expired(PermanentError):
     code = "expired"
 
@@ -148,10 +140,6 @@ class MediaFetchTransient(RetryableError):
 
 class StoreUnavailable(RetryableError):
     code = "store_unavailable"
-
-
-class BrokerUnavailable(RetryableError):
-    code = "broker_unavailable"
 
 
 class OutOfMemory(VlmqError):

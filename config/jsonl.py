@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from config.schemas import Request
+from vlmq.config.schemas import Request
 
 __all__ = ["LineError", "ParsedLine", "describe_validation_error", "parse_line", "read_requests"]
 

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["configure_logging", "log_context"]
+__all__ = ["LOG_FORMATS", "configure_logging", "log_context"]
+
+LOG_FORMATS = ("text", "json")
 
 _FIELDS = ("task_id", "job_id", "batch_id", "worker")
 _context: dict[str, contextvars.ContextVar[str | None]] = {

@@ -7,29 +7,28 @@ Shared by the API (to refuse work when a class is full) and the workers (the
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-import redis
+from redis import Redis
 
-from config.status import LANES, Keys
-from config.wire import priority_lists
+from vlmq.config.keys import LANES, Keys
+from vlmq.config.wire import priority_lists
 
 __all__ = ["queue_depth", "queue_lists"]
 
 
-def queue_lists(client: redis.Redis, keys: Keys, modality: str) -> list[str]:
+def queue_lists(redis: Redis, keys: Keys, modality: str) -> list[str]:
     """Every Redis list holding a class's waiting messages: both lanes and each
     bulk job's own list, at every priority step."""
     queues = [keys.queue(modality, lane) for lane in LANES]
-    members: set[Any] = client.smembers(keys.active_jobs(modality))
-    queues += sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+    members: set[str] = redis.smembers(keys.active_jobs(modality))  # type: ignore[assignment]
+    queues += sorted(members)
     return [name for queue in queues for name in priority_lists(queue)]
 
 
-def queue_depth(client: redis.Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, int]:
+def queue_depth(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, int]:
     """Messages waiting per class (the lists, then their lengths pipelined)."""
-    names = {m: queue_lists(client, keys, m) for m in modalities}
-    pipe = client.pipeline(transaction=False)
+    names = {m: queue_lists(redis, keys, m) for m in modalities}
+    pipe = redis.pipeline(transaction=False)
     for lists in names.values():
         for name in lists:
             pipe.llen(name)

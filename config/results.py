@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from config.errors import ConfigError, StoreUnavailable
+from vlmq.config.errors import ConfigError, StoreUnavailable
 
 __all__ = ["FileStore", "ResultStore", "S3Store", "open_store", "result_key"]
 

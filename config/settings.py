@@ -132,6 +132,11 @@ class FleetSettings(BaseModel):
     upload_threads: int = Field(8, ge=1)
     # Longest pause between retries of a result upload while the store is down.
     store_retry_max_s: float = Field(10.0, gt=0)
+    # Results waiting to be stored past which the worker stops pulling (a slow or down store).
+    max_settle_backlog: int = Field(256, ge=1)
+    # An idle worker polls its queues from every idle_poll_min_s, backing off to idle_poll_max_s.
+    idle_poll_min_s: float = Field(0.002, gt=0)
+    idle_poll_max_s: float = Field(0.02, gt=0)
     redis_socket_timeout_s: float = 10.0
     task_ttl_s: int = 7 * 86400
     # Publish Celery task events (received/started/succeeded/failed) so Flower
@@ -199,4 +204,3 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
-    log_format: str = "text"  # text | json (one JSON object per line)

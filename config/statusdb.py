@@ -1,31 +1,27 @@
 """Task and job status in Redis: one hash per task, one per bulk job.
 
-Writes that change state go through one Lua script, so the task's state and
-its job's counters change together and only forward. Reads of many tasks are
-one pipelined round trip.
+Writes that change state go through one Lua script, so the task's state and its job's counters
+change together and only forward (``config/status.py`` holds the table). Reads of many tasks
+are one pipelined round trip. The connection decodes replies to ``str``
+(``config/connection.py``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
-import redis
+import redis as redis_py
 
-from config.status import COUNTED, TERMINAL, Keys, TaskState
+from vlmq.config.keys import Keys
+from vlmq.config.status import JobStatus, TaskState, sources_of
 
-__all__ = ["TRANSITIONS", "StatusDB"]
+__all__ = ["StatusDB"]
 
-# state -> the states it may move to (a terminal state never moves).
-TRANSITIONS: dict[str, tuple[str, ...]] = {
-    "": ("queued", "running", "succeeded", "failed", "cancelled", "expired"),
-    "queued": ("running", "succeeded", "failed", "cancelled", "expired"),
-    "running": ("running", "succeeded", "failed", "cancelled", "expired"),
-}
-
-# Shared Lua: a sealed job (submission complete) whose every task is terminal
-# is finished once: finished_at is set and an event queued for its webhook.
+# Shared Lua: a sealed job (submission complete) whose every task is terminal is finished once:
+# finished_at is set and an event queued for its webhook.
 _FINISH_CHECK = """
 local function finish_check(jobkey, job, now, events)
   local f = redis.call('HMGET', jobkey, 'sealed', 'total', 'succeeded', 'failed',
@@ -40,8 +36,9 @@ local function finish_check(jobkey, job, now, events)
 end
 """
 
-# One task's move: allowed from-states ("," separated, "-" = absent); job
-# counters and the job's finish check in the same step. Returns {previous, 1|0}.
+# One task's move: allowed from-states ("," separated, "-" = absent); job counters and the
+# job's finish check in the same step. ``jobprefix`` is ``Keys.job_prefix``: the task hash names
+# its job by id. Returns {previous, 1|0}.
 _MOVE = """
 local function move(key, new, jobprefix, allowed_from, now, events, fields)
   local current = redis.call('HGET', key, 'state') or ''
@@ -64,75 +61,66 @@ local function move(key, new, jobprefix, allowed_from, now, events, fields)
 end
 """
 
-# KEYS[1] task hash; ARGV[1] new state, ARGV[2] job key prefix, ARGV[3] allowed
-# from-states, ARGV[4] now, ARGV[5] events list, ARGV[6..] field/value pairs.
-_TRANSITION = (
-    _FINISH_CHECK
-    + _MOVE
-    + """
-local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
-return move(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], fields)
-"""
-)
-
-# Many tasks in one call (a batch's start or finish). KEYS: task hashes.
-# ARGV[1] job key prefix, ARGV[2] now, ARGV[3] events list, then per task:
-# new state, allowed from-states, number of field/value pairs, the pairs.
+# Many tasks in one call (a batch's start or finish, a page of a job's cancel).
+# KEYS[1] events list, KEYS[2..] task hashes. ARGV[1] job key prefix, ARGV[2] now, then per
+# task: new state, allowed from-states, number of field/value pairs, the pairs.
 _TRANSITION_MANY = (
     _FINISH_CHECK
     + _MOVE
     + """
 local replies = {}
-local at = 4
-for i = 1, #KEYS do
+local at = 3
+for i = 2, #KEYS do
   local new, allowed, n = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
   local fields = {}
   for j = 1, 2 * n do fields[j] = ARGV[at + 2 + j] end
   at = at + 3 + 2 * n
-  replies[i] = move(KEYS[i], new, ARGV[1], allowed, ARGV[2], ARGV[3], fields)
+  replies[i - 1] = move(KEYS[i], new, ARGV[1], allowed, ARGV[2], KEYS[1], fields)
 end
 return replies
 """
 )
 
-
-# KEYS[1] job hash; ARGV[1] job id, ARGV[2] now, ARGV[3] events list, ARGV[4] lines.
+# KEYS[1] job hash, KEYS[2] events list; ARGV[1] job id, ARGV[2] now, ARGV[3] lines.
 _SEAL = (
     _FINISH_CHECK
     + """
-redis.call('HSET', KEYS[1], 'sealed', '1', 'lines', ARGV[4])
-finish_check(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'sealed', '1', 'lines', ARGV[3])
+finish_check(KEYS[1], ARGV[1], ARGV[2], KEYS[2])
 return 1
 """
 )
 
-
-def _allowed_from(new_state: str) -> str:
-    sources = [src for src, targets in TRANSITIONS.items() if new_state in targets]
-    return ",".join("-" if s == "" else s for s in sources)
+Move = tuple[str, TaskState, Mapping[str, Any]]
 
 
-def _decode(raw: Mapping[Any, Any]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
+def _allowed_from(states: Iterable[TaskState | None]) -> str:
+    return ",".join("-" if s is None else s.value for s in states)
+
+
+def _now() -> str:
+    return f"{time.time():.6f}"
+
+
+def _as_text(value: Any) -> str:
+    return "" if value is None else str(value)
 
 
 class StatusDB:
     """Status reads and writes for tasks and jobs (both producers and workers use it)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys | None = None, ttl_s: int = 7 * 86400):
-        self.redis = client
-        self.keys = keys or Keys()
+    def __init__(self, redis: redis_py.Redis, keys: Keys, ttl_s: int = 7 * 86400) -> None:
+        self.redis = redis
+        self.keys = keys
         self.ttl_s = ttl_s
-        self._transition = client.register_script(_TRANSITION)
-        self._transition_many = client.register_script(_TRANSITION_MANY)
-        self._seal = client.register_script(_SEAL)
+        self._transition_many = redis.register_script(_TRANSITION_MANY)
+        self._seal = redis.register_script(_SEAL)
 
     # writes --------------------------------------------------------------
     def queue_task_fields(self, fields: Mapping[str, Any]) -> dict[str, str]:
-        now = f"{time.time():.6f}"
+        now = _now()
         base = {"state": TaskState.QUEUED.value, "created_at": now, "queued_at": now}
-        return {**base, **{k: "" if v is None else str(v) for k, v in fields.items()}}
+        return {**base, **{k: _as_text(v) for k, v in fields.items()}}
 
     def add_queued(
         self, pipe: Any, task_id: str, fields: Mapping[str, Any], count_job: bool = True
@@ -158,34 +146,58 @@ class StatusDB:
         task_id: str,
         new_state: TaskState,
         fields: Mapping[str, Any] | None = None,
-        client: Any = None,
         only_from: Iterable[TaskState] | None = None,
     ) -> tuple[str, bool]:
         """Move a task forward; returns (previous state, whether it moved).
 
         ``only_from`` narrows the states it may leave (cancel: queued only).
-        Inside a pipeline the reply comes from ``execute()`` instead.
         """
-        sources = (
-            ",".join(s.value for s in only_from)
-            if only_from is not None
-            else _allowed_from(new_state.value)
-        )
-        argv: list[Any] = [
-            new_state.value,
-            self.keys.job(""),
-            sources,
-            f"{time.time():.6f}",
-            self.keys.events(),
-        ]
-        for name, value in (fields or {}).items():
-            argv += [name, "" if value is None else str(value)]
-        reply = self._transition(
-            keys=[self.keys.task(task_id)], args=argv, client=client or self.redis
-        )
-        if client is not None and client is not self.redis:
-            return "", False  # pipelined: the reply arrives with execute()
-        return _text(reply[0]), bool(reply[1])
+        moves = [(task_id, new_state, fields or {})]
+        return self.transition_many(moves, only_from=only_from)[0]
+
+    def transition_many(
+        self,
+        moves: Sequence[Move],
+        pipe: Any = None,
+        only_from: Iterable[TaskState] | None = None,
+    ) -> list[tuple[str, bool]]:
+        """Move many tasks forward in one script call: (task id, state, fields).
+
+        Inside the caller's ``pipe`` the replies arrive with its ``execute()``
+        (:meth:`moved` reads them); without one they are returned.
+        """
+        if not moves:
+            return []
+        narrowed = None if only_from is None else _allowed_from(only_from)
+        argv: list[Any] = [self.keys.job_prefix, _now()]
+        for _, state, fields in moves:
+            pairs = [x for k, v in fields.items() for x in (k, _as_text(v))]
+            allowed = narrowed or _allowed_from(sources_of(state))
+            argv += [state.value, allowed, len(pairs) // 2, *pairs]
+        keys = [self.keys.events(), *(self.keys.task(task_id) for task_id, _, _ in moves)]
+        reply = self._transition_many(keys=keys, args=argv, client=pipe or self.redis)
+        return [] if pipe is not None else self.moved(reply)
+
+    @staticmethod
+    def moved(reply: Sequence[Any]) -> list[tuple[str, bool]]:
+        """(previous state, moved) per task of a ``transition_many`` reply."""
+        return [(str(previous), bool(int(moved))) for previous, moved in reply]
+
+    def finish_queued(
+        self,
+        job_id: str,
+        state: TaskState,
+        fields: Mapping[str, Any],
+        page: int = 2000,
+    ) -> int:
+        """Move every still-queued task of a job to ``state`` (cancel, expiry); returns how
+        many moved. Tasks already running or finished are left alone."""
+        moved = 0
+        for ids in _pages(self.job_task_ids(job_id, page), page):
+            moves = [(task_id, state, fields) for task_id in ids]
+            replies = self.transition_many(moves, only_from=[TaskState.QUEUED])
+            moved += sum(1 for _, done in replies if done)
+        return moved
 
     def open_job(
         self,
@@ -213,33 +225,15 @@ class StatusDB:
 
     def seal_job(self, job_id: str, lines: int = 0) -> None:
         """Submission complete: the job may now finish."""
-        self._seal(
-            keys=[self.keys.job(job_id)],
-            args=[job_id, f"{time.time():.6f}", self.keys.events(), lines],
-        )
+        self._seal(keys=[self.keys.job(job_id), self.keys.events()], args=[job_id, _now(), lines])
 
-    def transition_many(
-        self,
-        moves: Sequence[tuple[str, TaskState, Mapping[str, Any]]],
-        client: Any = None,
-    ) -> list[tuple[str, bool]]:
-        """Move many tasks forward in one script call: (task id, state, fields)."""
-        if not moves:
-            return []
-        argv: list[Any] = [self.keys.job(""), f"{time.time():.6f}", self.keys.events()]
-        for _, state, fields in moves:
-            pairs = [x for k, v in fields.items() for x in (k, "" if v is None else str(v))]
-            argv += [state.value, _allowed_from(state.value), len(pairs) // 2, *pairs]
-        keys = [self.keys.task(task_id) for task_id, _, _ in moves]
-        reply = self._transition_many(keys=keys, args=argv, client=client or self.redis)
-        if client is not None and client is not self.redis:
-            return []  # pipelined: the replies arrive with execute()
-        return [(_text(r[0]), bool(r[1])) for r in reply]
+    def request_cancel(self, job_id: str) -> None:
+        self.redis.hset(self.keys.job(job_id), "cancel_requested", "1")
 
     # reads ---------------------------------------------------------------
     def task(self, task_id: str) -> dict[str, str]:
-        raw = self.redis.hgetall(self.keys.task(task_id))
-        return _with_state(_decode(raw)) if raw else {"state": TaskState.UNKNOWN.value}
+        raw: dict[str, str] = self.redis.hgetall(self.keys.task(task_id))  # type: ignore[assignment]
+        return _with_state(raw) if raw else {"state": TaskState.UNKNOWN.value}
 
     def tasks(self, task_ids: Sequence[str], fields: Sequence[str] = ()) -> list[dict[str, str]]:
         """Status of many tasks in one pipelined round trip."""
@@ -253,40 +247,43 @@ class StatusDB:
         replies = pipe.execute()
         if fields:
             return [_fields(fields, values) for values in replies]
-        return [
-            _with_state(_decode(r)) if r else {"state": TaskState.UNKNOWN.value} for r in replies
-        ]
+        return [_with_state(r) if r else {"state": TaskState.UNKNOWN.value} for r in replies]
 
     def states(self, task_ids: Sequence[str]) -> list[TaskState]:
         return [TaskState(t.get("state") or "unknown") for t in self.tasks(task_ids, ("state",))]
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        raw = _decode(self.redis.hgetall(self.keys.job(job_id)))
-        if not raw:
-            return {"state": TaskState.UNKNOWN.value}
-        counts = {s.value: int(raw.get(s.value, 0) or 0) for s in COUNTED}
-        total = int(raw.get("total", 0) or 0)
-        done = sum(counts[s.value] for s in TERMINAL)
-        return {
-            **raw,
-            "total": total,
-            "counts": counts,
-            "done": done,
-            "finished": bool(raw.get("finished_at")),
-        }
+    def job_exists(self, job_id: str) -> bool:
+        return bool(self.redis.exists(self.keys.job(job_id)))
+
+    def job(self, job_id: str) -> JobStatus:
+        raw: dict[str, str] = self.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
+        return JobStatus.from_hash(job_id, raw)
+
+    def job_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
+        """A job's task ids in submission order, read a page at a time."""
+        start = 0
+        while True:
+            ids: list[str] = self.redis.lrange(  # type: ignore[assignment]
+                self.keys.job_tasks(job_id), start, start + page - 1
+            )
+            if not ids:
+                return
+            yield from ids
+            start += page
 
 
 def _with_state(fields: dict[str, str]) -> dict[str, str]:
-    """A task enqueued by a plain ``send_task`` has a hash (its delivery count)
-    before its first transition: it is queued."""
+    """A task enqueued by a plain ``send_task`` has a hash (its delivery count) before its
+    first transition: it is queued."""
     fields.setdefault("state", TaskState.QUEUED.value)
     return fields
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _fields(names: Iterable[str], values: Sequence[bytes | None]) -> dict[str, str]:
-    out = {n: v.decode() for n, v in zip(names, values, strict=True) if v is not None}
+def _fields(names: Iterable[str], values: Sequence[str | None]) -> dict[str, str]:
+    out = {n: v for n, v in zip(names, values, strict=True) if v is not None}
     return out if out else {"state": TaskState.UNKNOWN.value}
+
+
+def _pages(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    while page := list(islice(items, size)):
+        yield page

@@ -22,10 +22,13 @@ COPY pyproject.toml README.md ./
 COPY config ./config
 COPY producers ./producers
 COPY workers ./workers
+# The one installed package: vlmq/ maps the three folders above under its name.
+COPY vlmq ./vlmq
+COPY examples/requests.jsonl examples/README.md ./examples/
 # The build fails if anything pulled torch in.
 RUN pip install ".[api]" \
     && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
-    && python -c "import fastapi, uvicorn, producers.api.app" \
+    && python -c "import fastapi, uvicorn, vlmq.producers.api.app" \
     && vlmq --help > /dev/null
 
 RUN useradd --create-home --uid "${VLMQ_UID}" --shell /usr/sbin/nologin vlmq \

@@ -91,13 +91,16 @@ COPY pyproject.toml README.md ./
 COPY config ./config
 COPY producers ./producers
 COPY workers ./workers
+# The one installed package: vlmq/ maps the three folders above under its name.
+COPY vlmq ./vlmq
+COPY examples/requests.jsonl examples/README.md ./examples/
 # The project itself: `.[gpu]` (= worker extra + flash-attn, already present),
 # or `.[worker]` without flash-attn. transformers, tokenizers, pillow, av and
 # numpy come from the worker extra.
 RUN if [ "$FLASH_ATTN" = "1" ]; then EXTRA=gpu; else EXTRA=worker; fi \
     && pip install ".[${EXTRA}]" \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__" \
-    && python -c "import transformers, PIL, av, workers.engine; print('transformers', transformers.__version__)" \
+    && python -c "import transformers, PIL, av, vlmq.workers.engine; print('transformers', transformers.__version__)" \
     && vlmq --help > /dev/null
 
 RUN useradd --create-home --uid "${VLMQ_UID}" --shell /usr/sbin/nologin vlmq \

@@ -20,10 +20,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from config.jsonl import LineError, ParsedLine, parse_line
-from config.schemas import Request, new_task_id
-from config.status import TaskState
-from producers.client import Client, expiry_after
+from vlmq.config.jsonl import LineError, ParsedLine, parse_line
+from vlmq.config.schemas import Request, new_task_id
+from vlmq.config.status import TaskState
+from vlmq.producers.client import Client, expiry_after
 
 __all__ = ["SubmitReport", "submit_jsonl"]
 
@@ -60,10 +60,6 @@ def _with_custom_id(parsed: ParsedLine) -> ParsedLine:
     return ParsedLine(
         parsed.line, request=request.model_copy(update={"custom_id": f"line-{parsed.line}"})
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _ChunkWriter:
@@ -144,11 +140,13 @@ class _ChunkWriter:
         ids = [str(r.custom_id) for r in requests if r is not None]
         if not ids:
             return set()
-        values = self.client.redis.hmget(self.keys.job_custom_ids(self.job_id), ids)
+        values: list[str | None] = self.client.redis.hmget(  # type: ignore[assignment]
+            self.keys.job_custom_ids(self.job_id), ids
+        )
         return {
             cid
             for cid, v in zip(ids, values, strict=True)
-            if v is not None and _text(v).endswith(f":{self.submission}")
+            if v is not None and v.endswith(f":{self.submission}")
         }
 
     def _existing(self, requests: list[Request]) -> dict[str, tuple[str, str]]:
@@ -156,8 +154,10 @@ class _ChunkWriter:
         ids = [str(r.custom_id) for r in requests]
         if not ids:
             return {}
-        values = self.client.redis.hmget(self.keys.job_custom_ids(self.job_id), ids)
-        known = {cid: _text(v).split(":")[0] for cid, v in zip(ids, values, strict=True) if v}
+        values: list[str | None] = self.client.redis.hmget(  # type: ignore[assignment]
+            self.keys.job_custom_ids(self.job_id), ids
+        )
+        known = {cid: v.split(":")[0] for cid, v in zip(ids, values, strict=True) if v}
         states = self.client.status_db.tasks(list(known.values()), ("state",))
         return {
             cid: (task, s.get("state", "unknown"))

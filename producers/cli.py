@@ -8,28 +8,27 @@ load the worker package when they are invoked.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import click
 
-from config.logs import configure_logging
+from vlmq.config.logs import LOG_FORMATS, configure_logging
 
 __all__ = ["cli", "main"]
 
 # command name -> "module:attribute" of a click command
 _COMMANDS = {
-    "build-tiny-model": "workers.cli:build_tiny_model",
-    "run": "workers.cli:run",
-    "worker": "workers.cli:worker",
-    "demo": "producers.demo:demo",
-    "make-examples": "producers.examples:make_examples_command",
-    "submit": "producers.commands:submit",
-    "status": "producers.commands:status",
-    "results": "producers.commands:results",
-    "cancel": "producers.commands:cancel",
-    "serve": "producers.serve:serve",
-    "healthcheck": "producers.healthcheck:healthcheck",
+    "build-tiny-model": "vlmq.workers.cli:build_tiny_model",
+    "run": "vlmq.workers.cli:run",
+    "worker": "vlmq.workers.cli:worker",
+    "demo": "vlmq.producers.demo:demo",
+    "make-examples": "vlmq.producers.examples:make_examples_command",
+    "submit": "vlmq.producers.commands:submit",
+    "status": "vlmq.producers.commands:status",
+    "results": "vlmq.producers.commands:results",
+    "cancel": "vlmq.producers.commands:cancel",
+    "serve": "vlmq.producers.serve:serve",
+    "healthcheck": "vlmq.producers.healthcheck:healthcheck",
 }
 
 
@@ -51,13 +50,22 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup)
 @click.option(
     "--log-level",
-    default=lambda: os.environ.get("VLMQ_LOG_LEVEL", "warning"),
-    show_default="warning",
-    help="Logging level.",
+    envvar="VLMQ_LOG_LEVEL",
+    default="warning",
+    show_default=True,
+    help="Logging level [VLMQ_LOG_LEVEL].",
 )
-def cli(log_level: str) -> None:
+@click.option(
+    "--log-format",
+    envvar="VLMQ_LOG_FORMAT",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line, with task, job, batch and worker ids [VLMQ_LOG_FORMAT].",
+)
+def cli(log_level: str, log_format: str) -> None:
     """vlmq: batched vision-language-model inference on a fleet of workers."""
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
 
 
 def main(argv: list[str] | None = None) -> Any:

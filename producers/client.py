@@ -17,19 +17,23 @@ from datetime import datetime, timedelta, timezone
 from itertools import islice
 from typing import Any
 
-import redis
 from pydantic import ValidationError
+from redis import Redis
 
-from config.errors import InvalidRequest
-from config.jsonl import describe_validation_error
-from config.results import ResultStore, open_store
-from config.schemas import Request
-from config.settings import Settings
-from config.status import Keys, TaskState
-from config.statusdb import StatusDB
-from config.wire import encode_message, list_for_priority
+from vlmq.config.connection import create_redis
+from vlmq.config.errors import InvalidRequest
+from vlmq.config.jsonl import describe_validation_error
+from vlmq.config.keys import Keys
+from vlmq.config.results import ResultStore, open_store
+from vlmq.config.schemas import Request
+from vlmq.config.settings import Settings
+from vlmq.config.status import TERMINAL, TaskState
+from vlmq.config.statusdb import StatusDB
+from vlmq.config.wire import encode_message, list_for_priority
 
 __all__ = ["Client", "as_request", "expiry_after"]
+
+_TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
 
 
 def as_request(item: Any, **overrides: Any) -> Request:
@@ -49,11 +53,11 @@ class Client:
     def __init__(
         self,
         settings: Settings,
-        client: redis.Redis | None = None,
+        redis: Redis | None = None,
         store: ResultStore | None = None,
     ) -> None:
         self.settings = settings
-        self.redis = client or redis.Redis.from_url(settings.redis_url)
+        self.redis = redis or create_redis(settings)
         self.keys = Keys(settings.fleet.key_prefix)
         self.status_db = StatusDB(self.redis, self.keys, ttl_s=settings.fleet.task_ttl_s)
         self._store = store
@@ -183,23 +187,15 @@ class Client:
 
     # status ----------------------------------------------------------------
     def status(self, task_or_job_id: str) -> dict[str, Any]:
-        if self.redis.exists(self.keys.job(task_or_job_id)):
-            return {"kind": "job", **self.status_db.job(task_or_job_id)}
+        if self.status_db.job_exists(task_or_job_id):
+            return {"kind": "job", **self.status_db.job(task_or_job_id).as_dict()}
         return {"kind": "task", "id": task_or_job_id, **self.status_db.task(task_or_job_id)}
 
     def statuses(self, task_ids: list[str]) -> list[TaskState]:
         return self.status_db.states(task_ids)
 
     def job_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
-        start = 0
-        while True:
-            ids: list[bytes] = self.redis.lrange(  # type: ignore[assignment]
-                self.keys.job_tasks(job_id), start, start + page - 1
-            )
-            if not ids:
-                return
-            yield from (i.decode() for i in ids)
-            start += page
+        return self.status_db.job_task_ids(job_id, page)
 
     # results ---------------------------------------------------------------
     def result(self, task_id: str, wait: float | None = None, poll_s: float = 0.1) -> Any:
@@ -207,7 +203,7 @@ class Client:
         deadline = time.monotonic() + (wait or 0)
         while True:
             status = self.status_db.task(task_id)
-            if status.get("state") in {s.value for s in TaskState if s.terminal}:
+            if status.get("state") in _TERMINAL_STATES:
                 url = status.get("result_url")
                 return self.store.get(url) if url else {"id": task_id, **status}
             if time.monotonic() >= deadline:
@@ -217,25 +213,13 @@ class Client:
     # cancel ----------------------------------------------------------------
     def cancel(self, task_or_job_id: str) -> int:
         """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
-        if self.redis.exists(self.keys.job(task_or_job_id)):
-            self.redis.hset(self.keys.job(task_or_job_id), "cancel_requested", "1")
-            ids: Iterable[str] = self.job_task_ids(task_or_job_id)
-        else:
-            ids = [task_or_job_id]
-        cancelled = 0
         fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
-        for batch in _chunked(iter(ids), 1000):
-            pipe = self.redis.pipeline(transaction=False)
-            for task_id in batch:
-                self.status_db.transition(
-                    task_id,
-                    TaskState.CANCELLED,
-                    fields,
-                    client=pipe,
-                    only_from=[TaskState.QUEUED],
-                )
-            cancelled += sum(1 for _, moved in pipe.execute() if int(moved))
-        return cancelled
+        if self.status_db.job_exists(task_or_job_id):
+            self.status_db.request_cancel(task_or_job_id)
+            return self.status_db.finish_queued(task_or_job_id, TaskState.CANCELLED, fields)
+        only = [TaskState.QUEUED]
+        _, moved = self.status_db.transition(task_or_job_id, TaskState.CANCELLED, fields, only)
+        return int(moved)
 
 
 def _validated(item: Any, index: int, job_id: str) -> Request:

@@ -15,10 +15,10 @@ from typing import IO, Any
 
 import click
 
-from config.settings import Settings
-from producers.bulk import SubmitReport, submit_jsonl
-from producers.client import Client
-from producers.export import (
+from vlmq.config.settings import Settings
+from vlmq.producers.bulk import SubmitReport, submit_jsonl
+from vlmq.producers.client import Client
+from vlmq.producers.export import (
     iter_errors,
     iter_results,
     job_summary,
@@ -182,7 +182,7 @@ def submit(
 def status(identifier: str, as_json: bool) -> None:
     """Counts per state, rate and ETA of a job, or the status of one task."""
     client = _client()
-    if client.redis.exists(client.keys.job(identifier)):
+    if client.status_db.job_exists(identifier):
         data: dict[str, Any] = {"kind": "job", **job_summary(client, identifier)}
     else:
         data = {"kind": "task", "id": identifier, **client.status_db.task(identifier)}
@@ -215,7 +215,7 @@ def status(identifier: str, as_json: bool) -> None:
 def results(job_id: str, output: Path, errors: Path | None, fmt: str) -> None:
     """Stream a job's results from the store into JSONL files."""
     client = _client()
-    if not client.redis.exists(client.keys.job(job_id)):
+    if not client.status_db.job_exists(job_id):
         raise click.ClickException(f"unknown job {job_id}")
     _write_files(client, job_id, output, errors, fmt)
 

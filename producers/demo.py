@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import click
-import redis
+from redis import Redis
 
-from config.jsonl import read_requests
-from config.settings import Settings
-from config.status import Keys
-from producers.client import Client
-from producers.examples import EXAMPLES_DIR, make_examples
-from producers.localredis import LocalRedis
+from vlmq.config.jsonl import read_requests
+from vlmq.config.keys import Keys
+from vlmq.config.settings import Settings
+from vlmq.producers.client import Client
+from vlmq.producers.examples import make_examples
+from vlmq.workers.testing.localredis import LocalRedis
 
 __all__ = ["demo"]
 
@@ -32,7 +32,7 @@ MODALITIES = ("text", "image", "video")
 
 
 def _vlmq(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "producers", *args], env=env)
+    return subprocess.Popen([sys.executable, "-m", "vlmq", *args], env=env)
 
 
 def _ensure_model(path: Path, family: str) -> None:
@@ -43,20 +43,20 @@ def _ensure_model(path: Path, family: str) -> None:
         raise click.ClickException("building the tiny checkpoint failed")
 
 
-def _worker_env(redis_url: str, results_url: str, model: Path) -> dict[str, str]:
+def _worker_env(redis_url: str, results_url: str, model: Path, media: Path) -> dict[str, str]:
     return {
         **os.environ,
         "VLMQ_REDIS_URL": redis_url,
         "VLMQ_RESULTS_URL": results_url,
         "VLMQ_MODEL": str(model),
-        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(EXAMPLES_DIR)]),
+        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(media)]),
         "VLMQ_ENGINE__TORCH_THREADS": "1",
     }
 
 
-def _wait_for_workers(client: redis.Redis, count: int, procs: list[Any], timeout_s: float) -> None:
+def _wait_for_workers(redis: Redis, count: int, procs: list[Any], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while client.hlen(Keys().workers()) < count:
+    while redis.hlen(Keys().workers()) < count:
         if any(p.poll() is not None for p in procs):
             raise click.ClickException("a worker exited during start-up")
         if time.monotonic() > deadline:
@@ -119,11 +119,12 @@ def demo(family: str, workdir: Path, timeout_s: float) -> None:
     workdir = workdir.resolve()
     model = workdir / "models" / f"tiny-{family}"
     _ensure_model(model, family)
-    requests_file = make_examples()
+    examples = workdir / "examples"
+    requests_file = make_examples(examples)
     results_url = f"file://{workdir / 'results'}"
     server = LocalRedis(workdir / "redis").start()
     click.echo(f"redis-server on {server.url}; results under {results_url}")
-    env = _worker_env(server.url, results_url, model)
+    env = _worker_env(server.url, results_url, model, examples)
     workers = [_vlmq("worker", "--modality", m, env=env) for m in MODALITIES]
     try:
         settings = Settings(redis_url=server.url, results_url=results_url)

@@ -13,11 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any
 
-from config.status import TaskState
-from producers.client import Client
+from vlmq.config.status import TERMINAL, JobState
+from vlmq.producers.client import Client
 
 __all__ = [
-    "cancel_job",
     "iter_errors",
     "iter_results",
     "job_summary",
@@ -28,44 +27,20 @@ __all__ = [
 _WINDOW = 256
 
 
-def job_state(raw: dict[str, Any]) -> str:
-    """validating → in_progress → completed | failed | cancelled | expired."""
-    counts = raw["counts"]
-    if raw.get("sealed") != "1":
-        return "validating"
-    if not raw.get("finished"):
-        return "cancelling" if raw.get("cancel_requested") == "1" else "in_progress"
-    if raw.get("cancel_requested") == "1":
-        return "cancelled"
-    if counts.get("expired"):
-        return "expired"
-    if raw["total"] == 0:
-        return "failed"  # no valid line at all
-    return "completed"
-
-
 def job_summary(client: Client, job_id: str) -> dict[str, Any]:
-    raw = client.status_db.job(job_id)
-    if raw.get("state") == TaskState.UNKNOWN.value:
-        return {"job_id": job_id, "state": "unknown"}
+    """A job's state and counts (``JobStatus``), its bad lines, rate and ETA."""
+    job = client.status_db.job(job_id)
+    if job.state is JobState.UNKNOWN:
+        return {"job_id": job_id, "state": job.state.value}
     errors = int(client.redis.hlen(client.keys.job_errors(job_id)))
-    created = float(raw.get("created_at") or time.time())
-    finished = float(raw["finished_at"]) if raw.get("finished_at") else None
-    elapsed = (finished or time.time()) - created
-    rate = raw["done"] / elapsed if elapsed > 0 else 0.0
-    remaining = raw["total"] - raw["done"]
+    created = job.created_at or time.time()
+    elapsed = (job.finished_at or time.time()) - created
+    rate = job.done / elapsed if elapsed > 0 else 0.0
+    remaining = job.total - job.done
     return {
-        "job_id": job_id,
-        "name": raw.get("name") or None,
-        "state": job_state(raw),
-        "total": raw["total"],
-        "done": raw["done"],
-        "counts": raw["counts"],
-        "errors": errors,
-        "lines": int(raw.get("lines") or 0),
+        **job.as_dict(),
         "created_at": created,
-        "finished_at": finished,
-        "expires_at": float(raw["expires_at"]) if raw.get("expires_at") else None,
+        "errors": errors,
         "rate_per_s": round(rate, 3),
         "eta_s": round(remaining / rate, 1) if rate > 0 and remaining > 0 else None,
     }
@@ -103,7 +78,7 @@ def iter_results(
     client: Client, job_id: str, terminal_only: bool = True
 ) -> Iterator[dict[str, Any]]:
     """Result records in submission order (tasks still running are skipped)."""
-    terminal = {s.value for s in TaskState if s.terminal}
+    terminal = {s.value for s in TERMINAL}
     tasks = (
         t for t in _current_tasks(client, job_id) if not terminal_only or t.get("state") in terminal
     )
@@ -113,7 +88,7 @@ def iter_results(
 
 
 def iter_line_errors(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
-    raw = client.redis.hgetall(client.keys.job_errors(job_id))
+    raw: dict[str, str] = client.redis.hgetall(client.keys.job_errors(job_id))  # type: ignore[assignment]
     for _, value in sorted(raw.items(), key=lambda kv: int(kv[0])):
         yield json.loads(value)
 
@@ -124,10 +99,6 @@ def iter_errors(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
         if record.get("status") != "succeeded":
             yield record
     yield from iter_line_errors(client, job_id)
-
-
-def cancel_job(client: Client, job_id: str) -> int:
-    return client.cancel(job_id)
 
 
 def to_openai_output(record: dict[str, Any]) -> dict[str, Any]:

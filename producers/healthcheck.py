@@ -1,7 +1,7 @@
 """``vlmq healthcheck``: container health probes (Docker HEALTHCHECK, Kubernetes exec probes).
 
 ``vlmq healthcheck worker`` passes when a worker process of this host keeps its
-entry in the Redis hash ``{prefix}:workers`` fresh. A worker writes that entry
+entry in the Redis hash ``Keys.workers()`` fresh. A worker writes that entry
 (name -> JSON with an ``at`` heartbeat timestamp) when its batch loop starts,
 then every ``lease_s / 3`` from the thread that also renews its leases
 (``workers/fleet/service.py``). A fresh entry therefore means: the model is
@@ -38,11 +38,10 @@ class WorkerBeat:
     info: dict[str, Any]
 
 
-def worker_beats(entries: dict[Any, Any]) -> list[WorkerBeat]:
-    """Parse the ``{prefix}:workers`` hash; unreadable entries are skipped."""
+def worker_beats(entries: dict[str, str]) -> list[WorkerBeat]:
+    """Parse the ``{prefix}:workers`` hash (``Keys.workers``); unreadable entries are skipped."""
     beats = []
-    for raw_name, raw_info in entries.items():
-        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+    for name, raw_info in entries.items():
         try:
             info = json.loads(raw_info)
             at = float(info["at"])
@@ -102,24 +101,23 @@ def healthcheck() -> None:
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Redis timeout (s).")
 def worker(max_age: float | None, hostname: str | None, name: str | None, timeout: float) -> None:
     """A worker on this host has a fresh heartbeat in Redis."""
-    import redis
+    from redis import RedisError
 
-    from config.settings import Settings
-    from config.status import Keys
+    from vlmq.config.connection import create_redis
+    from vlmq.config.keys import Keys
+    from vlmq.config.settings import Settings
 
     settings = Settings()
     if max_age is None:
         max_age = max(90.0, 3 * max(0.5, settings.fleet.lease_s / 3))
-    client = redis.Redis.from_url(
-        settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
-    )
+    redis = create_redis(settings, timeout_s=timeout)
     try:
-        entries = client.hgetall(Keys(settings.fleet.key_prefix).workers())
-    except redis.RedisError as exc:
+        entries: dict[str, str] = redis.hgetall(Keys(settings.fleet.key_prefix).workers())  # type: ignore[assignment]
+    except RedisError as exc:
         click.echo(f"unhealthy: Redis unreachable ({type(exc).__name__})")
         sys.exit(1)
     finally:
-        client.close()
+        redis.close()
     beat, reason = fresh_worker(
         worker_beats(entries), hostname or socket.gethostname(), max_age, time.time(), name
     )

@@ -32,8 +32,8 @@ def serve(host: str | None, port: int | None) -> None:
     """Serve the HTTP API: tasks, jobs, and OpenAI-compatible files and batches."""
     import uvicorn
 
-    from config.settings import Settings
-    from producers.api.app import create_app
+    from vlmq.config.settings import Settings
+    from vlmq.producers.api.app import create_app
 
     settings = Settings()
     host = host or settings.api.host

@@ -1,5 +1,6 @@
 """Test tiers are folders: unit (no services), integration (real Redis / S3
-server), e2e (real worker processes). Markers are applied by path."""
+server), e2e (real worker processes), faults (fault drills and hostile input).
+Markers are applied by path."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import MotoServer, RedisServer
+from vlmq.workers.testing.services import MotoServer, RedisServer
 
-TIERS = ("unit", "integration", "e2e")
+TIERS = ("unit", "integration", "e2e", "faults")
 # Tiers that run several real processes against deadlines on a shared 2-core
 # machine: one rerun absorbs a scheduling stall; a rerun is reported (-rR), so
 # a test that needs it is visible, never silent.

@@ -11,8 +11,8 @@ from typing import IO, Any
 
 import click
 
-from config.jsonl import ParsedLine, read_requests
-from config.settings import Settings
+from vlmq.config.jsonl import ParsedLine, read_requests
+from vlmq.config.settings import Settings
 
 __all__ = ["build_tiny_model", "run"]
 
@@ -30,15 +30,29 @@ __all__ = ["build_tiny_model", "run"]
     type=click.Choice(["tiny", "small", "real"]),
     default="tiny",
     show_default=True,
-    help="tiny: hidden 64; small: hidden 512 x 4 layers.",
+    help="tiny: hidden 64; small: hidden 512 x 4 layers; real: the published dimensions.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-def build_tiny_model(directory: Path, family: str, size: str, seed: int) -> None:
+@click.option(
+    "--device",
+    default=None,
+    help="Make the weights on this device (e.g. cuda) instead of the CPU: fast for --size real.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Weight dtype with --device.",
+)
+def build_tiny_model(
+    directory: Path, family: str, size: str, seed: int, device: str | None, dtype: str
+) -> None:
     """Build a deterministic random-weight checkpoint of a real VLM architecture, offline."""
-    from workers.tiny import build_tiny_model as build
+    from vlmq.workers.testing.tiny import build_tiny_model as build
 
     started = time.perf_counter()
-    path = build(directory, family=family, size=size, seed=seed)
+    path = build(directory, family=family, size=size, seed=seed, device=device, dtype=dtype)
     click.echo(f"built {family} ({size}) in {path} in {time.perf_counter() - started:.1f}s")
 
 
@@ -104,7 +118,7 @@ def run(
     Each output line carries custom_id, status, output or error, and usage. A bad
     input line becomes an error record; the run goes on.
     """
-    from workers.engine import Engine
+    from vlmq.workers.engine import Engine
 
     settings = Settings()
     engine_settings = settings.engine.model_copy(
@@ -133,10 +147,10 @@ def run(
 
 def _engine_for(kind: str, settings: Settings, noop_delay_s: float) -> Any:
     if kind == "noop":
-        from workers.fleet.noop import NoopEngine
+        from vlmq.workers.testing.noop import NoopEngine
 
         return NoopEngine(noop_delay_s, crash_marker=settings.engine.faults.crash_marker)
-    from workers.engine import Engine
+    from vlmq.workers.engine import Engine
 
     return Engine(settings.model, settings.engine, settings.media)
 
@@ -175,7 +189,7 @@ def worker(
     celery: bool,
 ) -> None:
     """Serve modality queues in batches with one model, loaded once, in this process."""
-    from workers.fleet.service import WorkerService
+    from vlmq.workers.fleet.service import WorkerService
 
     settings = Settings()
     if model:
@@ -194,14 +208,15 @@ def worker(
 
 
 def _run_in_celery(settings: Settings, service: Any) -> None:
-    from workers.fleet.celery_app import CONTROL_QUEUE, make_app
+    from vlmq.config.keys import Keys
+    from vlmq.workers.fleet.celery_app import make_app
 
     app = make_app(settings, service)
     celery_worker = app.Worker(
         hostname=service.name.replace(":", "-"),
         pool_cls="solo",
         concurrency=1,
-        queues=[CONTROL_QUEUE],
+        queues=[Keys(settings.fleet.key_prefix).control_queue()],
         without_gossip=True,
         without_mingle=True,
         task_events=True,

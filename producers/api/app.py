@@ -10,39 +10,30 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from config.settings import Settings
-from producers.api import health, jobs, openai_batches, tasks
-from producers.api.auth import bearer_scheme
-from producers.api.batches import BatchService
-from producers.api.context import ApiContext, context
-from producers.api.errors import install_error_handlers
-from producers.api.files import FileRegistry
-from producers.api.gate import Gate
-from producers.api.limits import RateLimiter
-from producers.api.metrics import MetricsMiddleware
-from producers.client import Client
+from vlmq import __version__
+from vlmq.config.settings import Settings
+from vlmq.producers.api import health, jobs, openai_batches, tasks
+from vlmq.producers.api.auth import bearer_scheme
+from vlmq.producers.api.batches import BatchService
+from vlmq.producers.api.context import ApiContext, context
+from vlmq.producers.api.errors import install_error_handlers
+from vlmq.producers.api.files import FileRegistry
+from vlmq.producers.api.gate import Gate
+from vlmq.producers.api.limits import RateLimiter
+from vlmq.producers.api.metrics import MetricsMiddleware
+from vlmq.producers.client import Client
 
 __all__ = ["create_app"]
-
-
-def _client(settings: Settings) -> Client:
-    # Bounded socket timeouts: a hung Redis must fail a request, not hold it.
-    timeout = settings.fleet.redis_socket_timeout_s
-    connection = redis.Redis.from_url(
-        settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
-    )
-    return Client(settings, client=connection)
 
 
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     ctx = ApiContext(
         settings=settings,
-        client=client or _client(settings),
+        client=client or Client(settings),
         limiter=RateLimiter(settings.api.rate_limit_per_s, settings.api.rate_limit_burst),
     )
 
@@ -56,7 +47,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
 
     app = FastAPI(
         title="vlmq",
-        version="0.1.0",
+        version=__version__,
         summary="Batched vision-language-model inference on a vlmq worker fleet",
         lifespan=lifespan,
     )

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from producers.client import Client
+from vlmq.producers.client import Client
 
 __all__ = ["BatchRecords", "new_batch_id", "valid_batch_id"]
 
@@ -28,19 +28,15 @@ def valid_batch_id(batch_id: str) -> bool:
     return bool(_BATCH_ID.match(batch_id))
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class BatchRecords:
     def __init__(self, client: Client) -> None:
         self.redis = client.redis
-        self.prefix = client.keys.prefix
+        self.keys = client.keys
         self.ttl_s = client.settings.fleet.task_ttl_s
-        self.index = f"{self.prefix}:batches"
+        self.index = client.keys.batches_index()
 
     def key(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch:{batch_id}"
+        return self.keys.batch(batch_id)
 
     def create(self, batch_id: str, fields: dict[str, str]) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -52,8 +48,8 @@ class BatchRecords:
     def get(self, batch_id: str) -> dict[str, str] | None:
         if not valid_batch_id(batch_id):
             return None
-        raw = self.redis.hgetall(self.key(batch_id))
-        return {_text(k): _text(v) for k, v in raw.items()} if raw else None
+        raw: dict[str, str] = self.redis.hgetall(self.key(batch_id))  # type: ignore[assignment]
+        return raw or None
 
     def update(self, batch_id: str, **fields: Any) -> None:
         self.redis.hset(self.key(batch_id), mapping={k: str(v) for k, v in fields.items()})
@@ -67,7 +63,7 @@ class BatchRecords:
 
     # locks: one holder per (batch, activity); they expire if the holder dies.
     def _lock(self, batch_id: str, what: str) -> str:
-        return f"{self.key(batch_id)}:{what}"
+        return self.keys.batch_lock(batch_id, what)
 
     def acquire(self, batch_id: str, what: str, ttl_s: int) -> bool:
         return bool(self.redis.set(self._lock(batch_id, what), "1", nx=True, ex=ttl_s))

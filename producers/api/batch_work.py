@@ -20,13 +20,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from config.errors import VlmqError
-from producers.api.batch_records import BatchRecords
-from producers.api.files import FileRegistry
-from producers.bulk import SubmitReport, submit_jsonl
-from producers.client import Client
-from producers.export import (
-    cancel_job,
+from vlmq.config.errors import VlmqError
+from vlmq.producers.api.batch_records import BatchRecords
+from vlmq.producers.api.files import FileRegistry
+from vlmq.producers.bulk import SubmitReport, submit_jsonl
+from vlmq.producers.client import Client
+from vlmq.producers.export import (
     iter_line_errors,
     iter_results,
     to_openai_error,
@@ -151,7 +150,7 @@ class BatchWork:
         except _CancelRequested:
             # The job must be sealed to finish; then cancel the last chunk too.
             self.client.seal_job(batch_id, lines=report.lines)
-            cancel_job(self.client, batch_id)
+            self.client.cancel(batch_id)
         self.records.mark_once(batch_id, "submitted_at")
 
     def _fail(self, batch_id: str, exc: Exception) -> None:
@@ -159,9 +158,9 @@ class BatchWork:
         code = exc.code if isinstance(exc, VlmqError) else "internal_error"
         self.records.update(batch_id, error_code=code, error_message=message)
         self.records.mark_once(batch_id, "failed_at")
-        if self.client.redis.exists(self.client.keys.job(batch_id)):
+        if self.client.status_db.job_exists(batch_id):
             self.client.seal_job(batch_id)
-            cancel_job(self.client, batch_id)
+            self.client.cancel(batch_id)
 
     # finalization ------------------------------------------------------------
     def start_finalize(self, batch_id: str) -> None:

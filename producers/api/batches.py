@@ -13,11 +13,11 @@ import time
 from itertools import islice
 from typing import Any
 
-from producers.api.batch_records import BatchRecords, new_batch_id
-from producers.api.batch_work import BatchWork, output_file_ids
-from producers.api.errors import ApiError
-from producers.api.files import FileRegistry, newest_first
-from producers.api.openai_models import (
+from vlmq.producers.api.batch_records import BatchRecords, new_batch_id
+from vlmq.producers.api.batch_work import BatchWork, output_file_ids
+from vlmq.producers.api.errors import ApiError
+from vlmq.producers.api.files import FileRegistry, newest_first
+from vlmq.producers.api.openai_models import (
     BatchCreate,
     BatchError,
     BatchErrors,
@@ -25,8 +25,8 @@ from producers.api.openai_models import (
     BatchStatus,
     RequestCounts,
 )
-from producers.client import Client
-from producers.export import iter_line_errors, job_summary
+from vlmq.producers.client import Client
+from vlmq.producers.export import iter_line_errors, job_summary
 
 __all__ = ["BatchService"]
 
@@ -159,7 +159,7 @@ class BatchService:
         if batch.status in _FINISHED:
             return batch
         self.records.mark_once(batch_id, "cancelling_at")
-        if self.client.redis.exists(self.client.keys.job(batch_id)):
+        if self.client.status_db.job_exists(batch_id):
             self.client.cancel(batch_id)
         return self.get(batch_id)
 

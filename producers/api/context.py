@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from config.settings import Settings
-from producers.api.limits import RateLimiter
-from producers.api.metrics import Metrics
-from producers.client import Client
+from vlmq.config.settings import Settings
+from vlmq.producers.api.limits import RateLimiter
+from vlmq.producers.api.metrics import Metrics
+from vlmq.producers.client import Client
 
 __all__ = ["ApiContext", "context"]
 

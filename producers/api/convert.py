@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from config.errors import InvalidRequest
-from config.jsonl import to_request_fields
-from config.schemas import Request
-from producers.client import as_request
+from vlmq.config.errors import InvalidRequest
+from vlmq.config.jsonl import to_request_fields
+from vlmq.config.schemas import Request
+from vlmq.producers.client import as_request
 
 __all__ = ["request_from_body"]
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from config.errors import InvalidRequest, RetryableError, VlmqError
+from vlmq.config.errors import InvalidRequest, RetryableError, VlmqError
 
 __all__ = [
     "ApiError",

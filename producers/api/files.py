@@ -13,8 +13,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from producers.api.openai_models import FileObject
-from producers.client import Client
+from vlmq.producers.api.openai_models import FileObject
+from vlmq.producers.client import Client
 
 __all__ = ["FileRegistry", "new_file_id", "newest_first", "valid_file_id"]
 
@@ -36,14 +36,10 @@ def _blob_key(file_id: str) -> str:
     return f"files/{file_id}"
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class FileRegistry:
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.index = f"{client.keys.prefix}:files"
+        self.index = client.keys.files_index()
 
     def create(
         self, data: bytes, filename: str, purpose: str, file_id: str | None = None
@@ -58,7 +54,7 @@ class FileRegistry:
             "filename": filename,
             "purpose": purpose,
         }
-        key = self.client.keys.files(file_id)
+        key = self.client.keys.file(file_id)
         pipe = self.client.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={k: str(v) for k, v in meta.items()})
         pipe.expire(key, self.client.settings.fleet.task_ttl_s)
@@ -69,10 +65,8 @@ class FileRegistry:
     def get(self, file_id: str) -> FileObject | None:
         if not valid_file_id(file_id):
             return None
-        raw = self.client.redis.hgetall(self.client.keys.files(file_id))
-        if not raw:
-            return None
-        return _file_object({_text(k): _text(v) for k, v in raw.items()})
+        raw: dict[str, str] = self.client.redis.hgetall(self.client.keys.file(file_id))  # type: ignore[assignment]
+        return _file_object(raw) if raw else None
 
     def content(self, file_id: str) -> bytes | None:
         if not valid_file_id(file_id):
@@ -102,6 +96,6 @@ def newest_first(
     if after:
         rank: Any = client.redis.zrevrank(index, after)
         start = int(rank) + 1 if rank is not None else 0
-    ids: list[Any] = client.redis.zrevrange(index, start, start + limit)
-    objects = [o for o in (load(_text(i)) for i in ids[:limit]) if o is not None]
+    ids: list[str] = client.redis.zrevrange(index, start, start + limit)  # type: ignore[assignment]
+    objects = [o for o in (load(i) for i in ids[:limit]) if o is not None]
     return objects, len(ids) > limit

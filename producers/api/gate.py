@@ -13,10 +13,10 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from config.settings import ApiSettings
-from producers.api.auth import is_public, principal_of
-from producers.api.errors import error_response
-from producers.api.limits import RateLimiter
+from vlmq.config.settings import ApiSettings
+from vlmq.producers.api.auth import is_public, principal_of
+from vlmq.producers.api.errors import error_response
+from vlmq.producers.api.limits import RateLimiter
 
 __all__ = ["Gate"]
 

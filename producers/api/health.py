@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from producers.api.context import ApiContext, context
-from producers.api.errors import ErrorBody
+from vlmq.producers.api.context import ApiContext, context
+from vlmq.producers.api.errors import ErrorBody
 
 __all__ = ["router"]
 

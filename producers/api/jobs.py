@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from producers.api.context import ApiContext, context
-from producers.api.errors import ApiError, error_responses
-from producers.export import cancel_job, job_summary
+from vlmq.producers.api.context import ApiContext, context
+from vlmq.producers.api.errors import ApiError, error_responses
+from vlmq.producers.export import job_summary
 
 __all__ = ["router"]
 
@@ -40,4 +40,4 @@ def get_job(job_id: str, ctx: ApiContext = Depends(context)) -> dict[str, Any]:
 def cancel(job_id: str, ctx: ApiContext = Depends(context)) -> JobCancelled:
     """Cancel every task of the job that is still queued; returns how many."""
     _known_job(ctx, job_id)
-    return JobCancelled(job_id=job_id, cancelled=cancel_job(ctx.client, job_id))
+    return JobCancelled(job_id=job_id, cancelled=ctx.client.cancel(job_id))

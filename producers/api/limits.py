@@ -1,4 +1,4 @@
-"""Rate limiting (a token bucket per caller) and the bounded-queue check.
+"""Rate limiting: a token bucket per caller (the bounded-queue check is ``queues.py``).
 
 The bucket lives in the API process: with several API processes each allows
 ``rate_limit_per_s``; a shared limiter belongs in front of them (a proxy).

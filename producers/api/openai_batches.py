@@ -12,13 +12,19 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
-from config.schemas import Modality
-from producers.api.batches import BatchService
-from producers.api.context import ApiContext, context
-from producers.api.errors import ApiError, error_responses
-from producers.api.files import FileRegistry
-from producers.api.openai_models import BatchCreate, BatchList, BatchObject, FileList, FileObject
-from producers.api.queues import check_capacity
+from vlmq.config.schemas import Modality
+from vlmq.producers.api.batches import BatchService
+from vlmq.producers.api.context import ApiContext, context
+from vlmq.producers.api.errors import ApiError, error_responses
+from vlmq.producers.api.files import FileRegistry
+from vlmq.producers.api.openai_models import (
+    BatchCreate,
+    BatchList,
+    BatchObject,
+    FileList,
+    FileObject,
+)
+from vlmq.producers.api.queues import check_capacity
 
 __all__ = ["router"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from config.queues import queue_depth
-from producers.api.context import ApiContext
-from producers.api.errors import ApiError
+from vlmq.config.queues import queue_depth
+from vlmq.producers.api.context import ApiContext
+from vlmq.producers.api.errors import ApiError
 
 __all__ = ["RETRY_FULL_S", "check_capacity"]
 

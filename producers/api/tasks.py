@@ -11,12 +11,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.schemas import Request
-from config.status import TaskState
-from producers.api.context import ApiContext, context
-from producers.api.convert import request_from_body
-from producers.api.errors import ApiError, ErrorDetail, error_responses
-from producers.api.queues import check_capacity
+from vlmq.config.schemas import Request
+from vlmq.config.status import TaskState
+from vlmq.producers.api.context import ApiContext, context
+from vlmq.producers.api.convert import request_from_body
+from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
+from vlmq.producers.api.queues import check_capacity
 
 __all__ = ["router"]
 

@@ -6,10 +6,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from workers.tiny import build_tiny_model
+from vlmq.workers.testing.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,10 +20,10 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model") / "qwen2_5_vl", "qwen2_5_vl")
 
 
-def vlmq(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+def vlmq(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
     """A real ``vlmq`` process (the console script's module entry point)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "producers", *args],
+        [sys.executable, "-m", "vlmq", *args],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         **kwargs,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 from tests.e2e.conftest import vlmq
 from tests.e2e.test_fleet import BATCH16, NOOP, _client, _ready
-from tests.support.services import wait_until
-from workers.samples import save_image, save_video
+from vlmq.workers.testing.samples import save_image, save_video
+from vlmq.workers.testing.services import wait_until
 
 
 def _run(*args: str, env: dict) -> str:
@@ -18,7 +19,7 @@ def _run(*args: str, env: dict) -> str:
     return out
 
 
-def _lines(tmp_path) -> list[str]:
+def _lines(tmp_path: Path) -> list[str]:
     save_image(tmp_path / "a.png", size=(64, 64), seed=1)
     save_video(tmp_path / "v.mp4", n_frames=8, size=(64, 64), fps=4, seed=2)
     parts = {

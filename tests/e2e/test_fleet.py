@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import signal
 
-from config.results import result_key
-from config.settings import Settings
-from config.status import Keys
-from producers.client import Client
-from tests.support.services import wait_until
-from workers.samples import save_image, save_video
+from vlmq.config.keys import Keys
+from vlmq.config.results import result_key
+from vlmq.config.settings import Settings
+from vlmq.producers.client import Client
+from vlmq.workers.testing.samples import save_image, save_video
+from vlmq.workers.testing.services import wait_until
 
 
 def _policy(size: int, wait: float = 0.05) -> dict:
     return {"max_batch_size": size, "max_wait_s": wait, "token_budget": 10**6}
 
 
-def _client(env) -> Client:
+def _client(env: dict[str, str]) -> Client:
     return Client(
         Settings(
             redis_url=env["VLMQ_REDIS_URL"],
@@ -89,12 +89,12 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
 
 
 def _submit_text(client: Client, n: int, marker: str = "") -> str:
+    def text(i: int) -> str:
+        return f"task {i} {marker}" if marker and i == 0 else f"task {i}"
+
     items = [
-        {"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"task {i}"}]}
-        for i in range(n)
+        {"custom_id": f"c{i}", "messages": [{"role": "user", "content": text(i)}]} for i in range(n)
     ]
-    if marker:
-        items[0]["messages"][0]["content"] = f"task 0 {marker}"
     return client.submit_many(items)
 
 

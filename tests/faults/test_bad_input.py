@@ -2,7 +2,7 @@
 Qwen2.5-VL checkpoint on CPU): no worker crash, one result per request, a
 clear error for every failure, and zero SSRF canary hits.
 
-The corpus and the strategies live in ``tests/faults/bad_input.py``;
+The corpus and the strategies live in ``workers/testing/faults/corpus.py``;
 ``python -m bench.bad_input`` runs the same checks on ~2,000 generated inputs.
 """
 
@@ -17,10 +17,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from config.errors import InvalidRequest
-from config.schemas import Request
-from config.settings import MediaSettings
-from tests.faults.bad_input import (
+from vlmq.config.errors import InvalidRequest
+from vlmq.config.schemas import Request
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.fetch import MediaFetcher
+from vlmq.workers.testing.faults.corpus import (
     ALLOWLISTED_HOSTS,
     REJECTED,
     S3_BUCKET,
@@ -42,8 +43,7 @@ from tests.faults.bad_input import (
     message_problems,
     valid_mates,
 )
-from workers.media.fetch import MediaFetcher
-from workers.tiny import build_tiny_model
+from vlmq.workers.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 
@@ -80,7 +80,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, canary: Canary) -> FaultEnv:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory, env: FaultEnv) -> Iterator[Any]:
-    from workers.engine import Engine
+    from vlmq.workers.engine import Engine
 
     model = build_tiny_model(tmp_path_factory.mktemp("model") / "qwen", "qwen2_5_vl")
     media = media_settings(env)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults import scenarios
-from tests.faults.harness import Harness
-from workers.tiny import build_tiny_model
+from vlmq.workers.testing.faults import scenarios
+from vlmq.workers.testing.faults.harness import Harness
+from vlmq.workers.testing.tiny import build_tiny_model
 
 
 @pytest.fixture

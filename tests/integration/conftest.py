@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.settings import BatchPolicy, Settings
+from vlmq.config.settings import BatchPolicy, Settings
 
 
 @pytest.fixture

@@ -6,18 +6,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from producers.api.app import create_app
 from tests.integration.test_api_support import (
     FAIL_MARKER,
     api_settings,
     wait_for_state,
     worker_loop,
 )
+from vlmq.producers.api.app import create_app
 
 
 @pytest.fixture
@@ -31,11 +32,11 @@ def http(settings):
         yield client
 
 
-def _text(question: str, **fields):
+def _text(question: str, **fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": question}], **fields}
 
 
-def _image(n: int):
+def _image(n: int) -> dict[str, Any]:
     parts = [{"type": "image", "image": f"/media/{n}.png"}, {"type": "text", "text": "what?"}]
     return {"messages": [{"role": "user", "content": parts}], "custom_id": f"img-{n}"}
 
@@ -202,12 +203,13 @@ def test_healthz_and_openapi(http):
 def test_the_app_module_never_imports_torch_or_workers():
     code = (
         "import sys\n"
-        "from config.settings import Settings\n"
-        "from producers.api.app import create_app\n"
-        "import producers.serve\n"
+        "from vlmq.config.settings import Settings\n"
+        "from vlmq.producers.api.app import create_app\n"
+        "import vlmq.producers.serve\n"
         "create_app(Settings())\n"
-        "banned = {'torch', 'transformers', 'workers'}\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned)\n"
+        "banned = {'torch', 'transformers'}\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned\n"
+        "             or m.startswith('vlmq.workers'))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -216,7 +218,7 @@ def test_the_app_module_never_imports_torch_or_workers():
 def test_serve_refuses_a_public_address_without_keys(monkeypatch):
     from click.testing import CliRunner
 
-    from producers.cli import cli
+    from vlmq.producers.cli import cli
 
     monkeypatch.delenv("VLMQ_API__API_KEYS", raising=False)
     result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0"])

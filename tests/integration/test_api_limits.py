@@ -3,12 +3,14 @@ queue, readiness, and error bodies that never leak internals."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from fastapi.testclient import TestClient
 
-from producers.api.app import create_app
-from producers.client import Client
 from tests.integration.test_api_support import api_settings
+from vlmq.producers.api.app import create_app
+from vlmq.producers.client import Client
 
 TASK = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -21,7 +23,7 @@ def _app(redis_server, moto_server, request, **api):
 def make_http(redis_server, moto_server, request):
     clients = []
 
-    def make(**api) -> TestClient:
+    def make(**api: Any) -> TestClient:
         client = TestClient(
             _app(redis_server, moto_server, request, **api), raise_server_exceptions=False
         )
@@ -33,7 +35,7 @@ def make_http(redis_server, moto_server, request):
         client.close()
 
 
-def _error(reply, status: int, code: str) -> dict:
+def _error(reply: Any, status: int, code: str) -> dict[str, Any]:
     assert reply.status_code == status, reply.text
     body = reply.json()
     assert set(body) == {"error"} and body["error"]["code"] == code

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import openai
 import pytest
 
-from producers.api.app import create_app
-from producers.api.batch_records import BatchRecords
-from producers.bulk import submit_jsonl
-from producers.client import Client
 from tests.integration.test_api_support import (
     FAIL_MARKER,
     api_settings,
@@ -21,11 +18,15 @@ from tests.integration.test_api_support import (
     wait_for_state,
     worker_loop,
 )
+from vlmq.producers.api.app import create_app
+from vlmq.producers.api.batch_records import BatchRecords
+from vlmq.producers.bulk import submit_jsonl
+from vlmq.producers.client import Client
 
 KEY = "test-key"
 
 
-def _line(custom_id: str, content, **body) -> str:
+def _line(custom_id: str, content: Any, **body: Any) -> str:
     request = {
         "custom_id": custom_id,
         "method": "POST",

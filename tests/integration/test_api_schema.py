@@ -17,9 +17,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from config.settings import Settings
-from producers.api.app import create_app
 from tests.integration.test_api_support import api_settings
+from vlmq.config.settings import Settings
+from vlmq.producers.api.app import create_app
 
 CHECKS = [
     not_a_server_error,

@@ -10,14 +10,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import redis
 import uvicorn
 
-from config.results import open_store
-from config.schemas import FinishReason, Result, Usage
-from config.settings import ApiSettings, BatchPolicy, Settings
-from tests.support.services import free_port, wait_until
-from workers.fleet.loop import BatchLoop, LoopConfig
+from tests.integration.test_fleet_loop import make_loop
+from vlmq.config.schemas import FinishReason, Result, Usage
+from vlmq.config.settings import ApiSettings, BatchPolicy, Settings
+from vlmq.workers.testing.services import free_port, wait_until
 
 __all__ = ["EchoEngine", "api_settings", "serving", "uvicorn_server", "worker_loop"]
 
@@ -78,10 +76,8 @@ def api_settings(redis_server: Any, moto_server: Any, name: str, **api: Any) -> 
 @contextmanager
 def worker_loop(settings: Settings, engine: Any | None = None) -> Iterator[Any]:
     """An in-process worker loop serving every class, on a thread."""
-    store = open_store(settings.results_url, settings.s3_endpoint_url)
-    config = LoopConfig(modalities=["text", "image", "video"], policies=settings.batch, worker="w1")
     engine = engine or EchoEngine()
-    loop = BatchLoop(config, engine, redis.Redis.from_url(settings.redis_url), store)
+    loop = make_loop(settings, engine)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:

@@ -11,14 +11,14 @@ from typing import ClassVar
 
 import pytest
 
-from config.settings import WebhookSettings
-from config.status import Keys
-from producers.bulk import submit_jsonl
-from producers.client import Client
-from producers.commands import write_results
-from producers.export import iter_results, job_summary
-from tests.integration.test_fleet_loop import RecordingEngine, Running, _loop
-from tests.support.services import wait_until
+from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from vlmq.config.keys import Keys
+from vlmq.config.settings import WebhookSettings
+from vlmq.producers.bulk import submit_jsonl
+from vlmq.producers.client import Client
+from vlmq.producers.commands import write_results
+from vlmq.producers.export import iter_results, job_summary
+from vlmq.workers.testing.services import wait_until
 
 
 def _line(i: int, kind: str = "text", fmt: str = "vlmq") -> str:
@@ -62,7 +62,7 @@ def test_submit_streams_both_formats_and_records_bad_lines(settings):
     client = Client(settings)
     report = submit_jsonl(client, _mixed_file(30), "job-a", chunk=7)
     assert (report.lines, report.enqueued, report.errors) == (33, 30, 3)
-    with Running(_loop(settings, RecordingEngine())):
+    with Running(make_loop(settings, RecordingEngine())):
         wait_until(lambda: job_summary(client, "job-a")["state"] == "completed", what="job")
     summary = job_summary(client, "job-a")
     assert summary["counts"]["succeeded"] == 30 and summary["errors"] == 3
@@ -82,13 +82,13 @@ def test_resubmitting_enqueues_only_what_is_missing_or_failed(settings):
     again = submit_jsonl(client, lines, "job-r")
     assert (again.enqueued, again.skipped, again.errors) == (12, 8, 0)
     assert job_summary(client, "job-r")["total"] == 20
-    with Running(_loop(settings, RecordingEngine(fail=True))):
+    with Running(make_loop(settings, RecordingEngine(fail=True))):
         wait_until(lambda: job_summary(client, "job-r")["state"] == "completed", what="failed")
     assert job_summary(client, "job-r")["counts"]["failed"] == 20
     engine = RecordingEngine()
     retry = submit_jsonl(client, lines, "job-r")  # failed ones run again
     assert retry.enqueued == 20
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: job_summary(client, "job-r")["state"] == "completed", what="retry")
     summary = job_summary(client, "job-r")
     assert summary["total"] == 20
@@ -102,7 +102,7 @@ def test_cancel_and_completion_window(settings):
     submit_jsonl(client, [_line(i) for i in range(10)], "job-c")
     assert client.cancel("job-c") == 10
     submit_jsonl(client, [_line(i) for i in range(5)], "job-x", completion_window_s=0.001)
-    with Running(_loop(settings, RecordingEngine(), reap_interval_s=0.05)) as loop:
+    with Running(make_loop(settings, RecordingEngine(), reap_interval_s=0.05)) as loop:
         wait_until(lambda: job_summary(client, "job-x")["state"] == "expired", what="expiry")
         wait_until(lambda: job_summary(client, "job-c")["state"] == "cancelled", what="cancel")
     assert loop.engine.ran == []
@@ -114,7 +114,7 @@ def test_results_export_in_both_formats(settings, tmp_path):
 
     client = Client(settings)
     submit_jsonl(client, _mixed_file(9), "job-e")
-    with Running(_loop(settings, RecordingEngine())):
+    with Running(make_loop(settings, RecordingEngine())):
         wait_until(lambda: job_summary(client, "job-e")["state"] == "completed", what="job")
     out, err = io.StringIO(), io.StringIO()
     assert write_results(client, "job-e", out, err, "openai") == (9, 3)
@@ -158,7 +158,7 @@ def test_webhook_is_signed_and_sent_once_when_the_job_finishes(settings, receive
     client = Client(settings)
     submit_jsonl(client, [_line(i) for i in range(6)], "job-w", webhook_url=url)
     hooks = WebhookSettings(secret="s3cret", allow_private_addresses=True)
-    with Running(_loop(settings, RecordingEngine(), reap_interval_s=0.05, webhooks=hooks)):
+    with Running(make_loop(settings, RecordingEngine(), reap_interval_s=0.05, webhooks=hooks)):
         wait_until(lambda: received, what="the webhook")
         wait_until(
             lambda: client.redis.hget(Keys().job("job-w"), "webhook_status"),
@@ -178,7 +178,7 @@ def test_webhooks_to_private_addresses_are_refused_by_default(settings, receiver
     client = Client(settings)
     submit_jsonl(client, [_line(0)], "job-p", webhook_url=url)
     hooks = WebhookSettings(max_attempts=1)
-    with Running(_loop(settings, RecordingEngine(), reap_interval_s=0.05, webhooks=hooks)):
+    with Running(make_loop(settings, RecordingEngine(), reap_interval_s=0.05, webhooks=hooks)):
         wait_until(
             lambda: client.redis.hget(Keys().job("job-p"), "webhook_status"),
             what="delivery given up",
@@ -190,7 +190,7 @@ def test_interactive_requests_overtake_a_bulk_backlog(settings):
     client = Client(settings)
     submit_jsonl(client, [_line(i) for i in range(500)], "job-big")
     engine = RecordingEngine(delay_s=0.02)
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: len(engine.ran) >= 16, what="bulk running")
         ran_before = len(engine.ran)
         urgent = [client.submit([{"role": "user", "content": f"now {i}"}]) for i in range(5)]

@@ -5,19 +5,21 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from celery import Celery
 
-from config.results import open_store
-from config.schemas import Request, Result
-from config.status import Keys, TaskState
-from config.wire import decode_message
-from producers.client import Client
-from tests.support.services import wait_until
-from workers.fleet.loop import BatchLoop, LoopConfig
-from workers.intake import Intake
+from vlmq.config.connection import create_redis
+from vlmq.config.keys import Keys
+from vlmq.config.results import open_store
+from vlmq.config.schemas import Request, Result
+from vlmq.config.status import TaskState
+from vlmq.config.wire import decode_message
+from vlmq.producers.client import Client
+from vlmq.workers.fleet.intake import Intake, Leases
+from vlmq.workers.fleet.service import compose_loop
+from vlmq.workers.testing.services import wait_until
 
 
 class RecordingEngine:
@@ -54,23 +56,24 @@ class RecordingEngine:
         ]
 
 
-def _conversation(kind: str, n: int):
+def _conversation(kind: str, n: int) -> list[dict[str, Any]]:
     if kind == "text":
         return [{"role": "user", "content": f"question {n}"}]
     part = {"type": kind, kind: f"/media/{n}.{'png' if kind == 'image' else 'mp4'}"}
     return [{"role": "user", "content": [part, {"type": "text", "text": f"q{n}"}]}]
 
 
-def _loop(settings, engine, modalities=("text", "image", "video"), **config):
+def make_loop(
+    settings, engine, modalities=("text", "image", "video"), observers=(), webhooks=None, **fleet
+):
+    """A loop as a worker composes it; ``fleet`` overrides FleetSettings fields."""
+    update = {"fleet": settings.fleet.model_copy(update=fleet)}
+    if webhooks is not None:
+        update["webhooks"] = webhooks
+    settings = settings.model_copy(update=update)
     store = open_store(settings.results_url, settings.s3_endpoint_url)
-    cfg = LoopConfig(modalities=list(modalities), policies=settings.batch, worker="w1", **config)
-    return BatchLoop(cfg, engine, settings_client(settings), store)
-
-
-def settings_client(settings):
-    import redis
-
-    return redis.Redis.from_url(settings.redis_url)
+    redis = create_redis(settings)
+    return compose_loop(settings, list(modalities), engine, "w1", redis, store, observers)
 
 
 class Running:
@@ -101,7 +104,7 @@ def test_mixed_job_end_to_end_through_s3(settings):
     ]
     job = client.submit_many(items)
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: _job_done(client, job), timeout=30, what="job")
     status = client.status(job)
     assert status["total"] == 30
@@ -122,7 +125,7 @@ def test_routing_keeps_classes_apart(settings):
     video = client.submit(_conversation("video", 1))
     text = client.submit(_conversation("text", 1))
     engine = RecordingEngine()
-    with Running(_loop(settings, engine, modalities=("text",))):
+    with Running(make_loop(settings, engine, modalities=("text",))):
         wait_until(lambda: client.status(text)["state"] == "succeeded", what="text task")
     assert client.status(video)["state"] == "queued"
     assert video not in engine.ran
@@ -132,7 +135,7 @@ def test_routing_keeps_classes_apart(settings):
 def test_a_raising_batch_fails_each_request_and_acks(settings):
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(12)])
-    with Running(_loop(settings, RecordingEngine(fail=True))):
+    with Running(make_loop(settings, RecordingEngine(fail=True))):
         wait_until(lambda: _job_done(client, job), what="job")
     status = client.status(job)
     assert status["counts"]["failed"] == 12
@@ -150,7 +153,7 @@ def test_cancelled_and_expired_tasks_never_run(settings):
     expired = client.submit(_conversation("text", 99), expires_in_s=0.001)
     assert client.cancel(job) == 9
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: client.status(expired)["state"] == "expired", what="expiry")
         wait_until(lambda: client.redis.llen("vlmq.text") == 0, what="queue drained")
     assert engine.ran == []
@@ -161,10 +164,10 @@ def test_cancelled_and_expired_tasks_never_run(settings):
 def test_duplicate_publication_gives_one_result(settings):
     client = Client(settings)
     task = client.submit(_conversation("text", 1), lane="bulk")
-    raw = client.redis.lindex("vlmq.text", 0)
+    raw: str = client.redis.lindex("vlmq.text", 0)  # type: ignore[assignment]
     client.redis.lpush("vlmq.text", raw, raw)  # delivered three times in all
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: client.redis.llen("vlmq.text") == 0, what="drain")
         wait_until(lambda: client.redis.hlen(Keys().inflight()) == 0, what="acks")
     assert engine.ran == [task]
@@ -178,7 +181,7 @@ def test_plain_celery_send_task_is_served(settings):
     request = {"messages": _conversation("image", 5), "custom_id": "from-celery"}
     sent = app.send_task("vlmq.generate", kwargs={"request": request}, queue="vlmq.image")
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(
             lambda: Client(settings).status(sent.id)["state"] == "succeeded", what="celery task"
         )
@@ -190,7 +193,7 @@ def test_plain_celery_send_task_is_served(settings):
 def test_our_messages_are_valid_celery_messages(settings):
     client = Client(settings)
     client.submit(_conversation("text", 1), custom_id="x", lane="bulk")
-    raw = client.redis.lindex("vlmq.text", 0)
+    raw: str = client.redis.lindex("vlmq.text", 0)  # type: ignore[assignment]
     message = decode_message(raw)
     assert message.task_name == "vlmq.generate"
     assert Request.model_validate(message.request).custom_id == "x"
@@ -214,30 +217,30 @@ def test_our_messages_are_valid_celery_messages(settings):
 def test_unacked_messages_of_a_dead_worker_come_back_then_dead_letter(settings):
     client = Client(settings)
     task = client.submit(_conversation("text", 1), lane="bulk")
-    intake = Intake(client.redis, ["vlmq.text"])
+    intake, leases = Intake(client.redis, Keys(), "text"), Leases(client.redis, Keys())
     for delivery in (1, 2, 3):  # three workers "die" while running it
         got = wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
         assert [d.deliveries for d in got] == [delivery]
         client.redis.hincrby(Keys().task(task), "attempts", 1)
-        assert intake.reap(time.time()) == 1
+        assert leases.reap(time.time()) == 1
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: client.status(task)["state"] == "failed", what="dead letter")
     assert engine.ran == []
     assert client.status(task)["error_code"] == "dead_lettered"
-    dead = json.loads(client.redis.lindex(Keys().dead_letters(), 0))
+    dead = json.loads(client.redis.lindex(Keys().dead_letters(), 0))  # type: ignore[arg-type]
     assert dead["task_id"] == task and "3 times" in dead["reason"]
 
 
 def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
     client = Client(settings)
     task = client.submit(_conversation("text", 1), lane="bulk")
-    intake = Intake(client.redis, ["vlmq.text"])
+    intake, leases = Intake(client.redis, Keys(), "text"), Leases(client.redis, Keys())
     for _ in range(5):  # pulled and lost five times, never handed to an engine
         wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
-        intake.reap(time.time())
+        leases.reap(time.time())
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: client.status(task)["state"] == "succeeded", what="success")
     assert engine.ran == [task]
 
@@ -245,12 +248,12 @@ def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
 def test_redelivered_requests_run_alone(settings):
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(6)])
-    intake = Intake(client.redis, ["vlmq.text"], active_jobs=Keys().active_jobs("text"))
+    intake, leases = Intake(client.redis, Keys(), "text"), Leases(client.redis, Keys())
     for delivery in intake.pull(3, time.time() - 1):  # three ran on a worker that died
         client.redis.hincrby(Keys().task(delivery.task_id), "attempts", 1)
-    intake.reap(time.time())
+    leases.reap(time.time())
     engine = RecordingEngine()
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: _job_done(client, job), what="job")
     assert sorted(engine.batches) == [1, 1, 1, 3]
 
@@ -262,7 +265,7 @@ def test_unknown_ids_are_unknown(settings):
 
 
 def test_validation_errors_name_the_field_and_enqueue_nothing(settings):
-    from config.errors import InvalidRequest
+    from vlmq.config.errors import InvalidRequest
 
     client = Client(settings)
     good = {"messages": _conversation("text", 1)}
@@ -279,16 +282,16 @@ def test_bulk_jobs_share_workers_fairly_and_interactive_goes_first(settings):
     small = client.submit_many([_conversation("text", n) for n in range(16)])
     urgent = [client.submit(_conversation("text", n)) for n in range(3)]
     engine = RecordingEngine(delay_s=0.01)
-    with Running(_loop(settings, engine)):
+    with Running(make_loop(settings, engine)):
         wait_until(lambda: _job_done(client, small), what="the small job")
         big_done = client.status(big)["done"]
     assert engine.ran[:3] == urgent  # the interactive lane is served first
     assert big_done <= 40, big_done  # the small job did not wait behind the big one
-    assert client.redis.smembers(Keys().active_jobs("text")) <= {f"vlmq.text.job.{big}".encode()}
+    assert client.redis.smembers(Keys().active_jobs("text")) <= {f"vlmq.text.job.{big}"}
 
 
 def test_an_existing_task_id_is_refused(settings):
-    from config.errors import InvalidRequest
+    from vlmq.config.errors import InvalidRequest
 
     client = Client(settings)
     request = Request.model_validate({"messages": _conversation("text", 1)})
@@ -311,7 +314,7 @@ def test_the_class_token_budget_reaches_the_engine(settings):
     job = client.submit_many([_conversation("image", n) for n in range(3)])
     policies = dict(settings.batch)
     policies["image"] = policies["image"].model_copy(update={"token_budget": 1234})
-    loop = _loop(settings.model_copy(update={"batch": policies}), BudgetEngine())
+    loop = make_loop(settings.model_copy(update={"batch": policies}), BudgetEngine())
     with Running(loop):
         wait_until(lambda: _job_done(client, job), what="job")
     assert BudgetEngine.budgets == [1234]

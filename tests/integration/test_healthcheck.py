@@ -9,17 +9,17 @@ import subprocess
 import sys
 import time
 
-from config.settings import BatchPolicy, FleetSettings, Settings
-from config.status import Keys
-from tests.support.services import free_port, wait_until
-from workers.fleet.noop import NoopEngine
-from workers.fleet.service import WorkerService
+from vlmq.config.keys import Keys
+from vlmq.config.settings import BatchPolicy, FleetSettings, Settings
+from vlmq.workers.fleet.service import WorkerService
+from vlmq.workers.testing.noop import NoopEngine
+from vlmq.workers.testing.services import free_port, wait_until
 
 
 def healthcheck(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLMQ_REDIS_URL": redis_url}
     return subprocess.run(
-        [sys.executable, "-m", "producers", "healthcheck", "worker", *args],
+        [sys.executable, "-m", "vlmq", "healthcheck", "worker", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -55,7 +55,7 @@ def test_a_running_worker_is_healthy_and_a_stopped_one_is_not(redis_server, tmp_
 
 
 def test_a_stale_or_foreign_heartbeat_is_unhealthy(redis_server):
-    client = redis_server.client()
+    client = redis_server.connect()
     key = Keys().workers()
     host = socket.gethostname()
     client.hset(key, "image@other-host:7", beat(time.time()))
@@ -74,7 +74,7 @@ def test_a_stale_or_foreign_heartbeat_is_unhealthy(redis_server):
 
 
 def test_an_unreadable_entry_or_a_down_redis_is_unhealthy(redis_server):
-    client = redis_server.client()
+    client = redis_server.connect()
     client.hset(Keys().workers(), f"text@{socket.gethostname()}:1", "not json")
     assert healthcheck(redis_server.url).returncode == 1
     url = redis_server.url
@@ -93,12 +93,12 @@ def test_the_api_healthcheck_follows_a_real_server(redis_server, tmp_path):
     url = f"http://127.0.0.1:{port}/healthz"
 
     def probe(target: str = url) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "producers", "healthcheck", "api", "--url", target]
+        command = [sys.executable, "-m", "vlmq", "healthcheck", "api", "--url", target]
         return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
     assert probe().returncode == 1  # nothing listens yet
     server = subprocess.Popen(
-        [sys.executable, "-m", "producers", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "vlmq", "serve", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -5,17 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from config.logs import JsonFormatter, configure_logging, log_context
-from config.results import open_store
-from config.settings import BatchPolicy
-from producers.client import Client
-from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation
-from tests.support.services import wait_until
-from workers.fleet.loop import BatchLoop, LoopConfig
-from workers.fleet.metrics import WorkerMetrics
+from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation, make_loop
+from vlmq.config.logs import JsonFormatter, configure_logging, log_context
+from vlmq.config.settings import BatchPolicy
+from vlmq.producers.client import Client
+from vlmq.workers.fleet.metrics import WorkerMetrics
+from vlmq.workers.testing.services import wait_until
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -26,8 +25,6 @@ def _value(text: str, name: str, **labels: str) -> float:
 
 
 def test_worker_metrics_follow_a_job(settings):
-    import redis
-
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(12)])
     registry = CollectorRegistry()
@@ -36,13 +33,8 @@ def test_worker_metrics_follow_a_job(settings):
         m: BatchPolicy(max_batch_size=8, max_wait_s=0.01, token_budget=10**6)
         for m in ("text", "image", "video")
     }
-    config = LoopConfig(modalities=["text"], policies=policies, worker="w")
-    loop = BatchLoop(
-        config,
-        RecordingEngine(),
-        redis.Redis.from_url(settings.redis_url),
-        open_store(settings.results_url, settings.s3_endpoint_url),
-        metrics=metrics,
+    loop = make_loop(
+        settings.model_copy(update={"batch": policies}), RecordingEngine(), ("text",), [metrics]
     )
     with Running(loop):
         wait_until(lambda: client.status(job)["finished"], what="job")
@@ -76,10 +68,9 @@ def test_json_logs_carry_task_job_batch_and_worker(capsys):
 def test_task_events_reach_a_celery_event_receiver(settings):
     import threading
 
-    import redis
     from celery import Celery
 
-    from workers.fleet.events import TaskEvents
+    from vlmq.workers.fleet.events import TaskEvents
 
     app = Celery(broker=settings.redis_url, set_as_current=False)
     app.conf.update(accept_content=["json"])
@@ -98,7 +89,7 @@ def test_task_events_reach_a_celery_event_receiver(settings):
     events = TaskEvents(settings.redis_url, "events-test")
     # Pub/sub drops what is sent before the receiver subscribes: probe until heard.
     wait_until(
-        lambda: events.started(["probe"]) or any(e.get("uuid") == "probe" for e in captured),
+        lambda: _probe(events) or any(e.get("uuid") == "probe" for e in captured),
         timeout=20,
         interval=0.2,
         what="the receiver to subscribe",
@@ -109,12 +100,8 @@ def test_task_events_reach_a_celery_event_receiver(settings):
         m: BatchPolicy(max_batch_size=8, max_wait_s=0.01, token_budget=10**6)
         for m in ("text", "image", "video")
     }
-    loop = BatchLoop(
-        LoopConfig(modalities=["text"], policies=policies, worker="w"),
-        RecordingEngine(),
-        redis.Redis.from_url(settings.redis_url),
-        open_store(settings.results_url, settings.s3_endpoint_url),
-        events=events,
+    loop = make_loop(
+        settings.model_copy(update={"batch": policies}), RecordingEngine(), ("text",), [events]
     )
     with Running(loop):
         wait_until(lambda: client.status(job)["finished"], what="job")
@@ -135,7 +122,12 @@ def test_task_events_reach_a_celery_event_receiver(settings):
     assert received["name"] == "vlmq.generate" and received["hostname"] == "events-test"
 
 
-def _quietly(target) -> None:
+def _probe(events: Any) -> bool:
+    events.started(["probe"])
+    return False
+
+
+def _quietly(target: Any) -> None:
     # The receiver's socket closes with the test's Redis.
     with contextlib.suppress(Exception):
         target()

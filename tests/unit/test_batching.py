@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.engine.batching import padded_cost, plan_micro_batches
+from vlmq.workers.engine.batching import padded_cost, plan_micro_batches
 
 
 @dataclass

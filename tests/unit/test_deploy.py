@@ -3,7 +3,7 @@ docker/prometheus.yml and .env.example.
 
 Nothing here needs a Docker engine. `docker compose config` runs when a compose
 client is installed; everything else parses the files with PyYAML and checks
-them against the CLI (`python -m producers CMD --help`), the settings models
+them against the CLI (`python -m vlmq CMD --help`), the settings models
 and pyproject.toml.
 """
 
@@ -25,13 +25,13 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from config.settings import Settings
-from producers.cli import _COMMANDS, cli
-from producers.healthcheck import fresh_worker, worker_beats
+from vlmq.config.settings import Settings
+from vlmq.producers.cli import _COMMANDS, cli
+from vlmq.producers.healthcheck import fresh_worker, worker_beats
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+else:  # Python 3.10: pytest's own dependency
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,7 +174,7 @@ def command_path(argv: list[str]) -> list[str]:
     """The (sub)command names at the head of argv: ["healthcheck", "worker"]."""
     ctx = click.Context(cli)
     command: click.Command = cli
-    path = []
+    path: list[str] = []
     for token in argv:
         if token.startswith("-") or not isinstance(command, click.Group):
             break
@@ -188,7 +188,7 @@ def command_path(argv: list[str]) -> list[str]:
 @cache
 def help_text(path: tuple[str, ...]) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "producers", *path, "--help"],
+        [sys.executable, "-m", "vlmq", *path, "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -270,7 +270,7 @@ def test_env_example_values_parse_as_settings(monkeypatch):
         if value.startswith("'") and value.endswith("'"):
             value = value[1:-1]
         monkeypatch.setenv(name, value)
-    Settings(_env_file=None)  # type: ignore[call-arg]
+    Settings(_env_file=None)
 
 
 # --- images -------------------------------------------------------------------------
@@ -387,7 +387,8 @@ def test_dockerignore_keeps_the_context_small_but_complete():
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     assert {".git", ".venv", ".vlmq", ".env"} <= ignored
-    assert not {"pyproject.toml", "README.md", "config", "producers", "workers"} & ignored
+    assert not {"pyproject.toml", "README.md", "config", "producers", "workers", "vlmq"} & ignored
+    assert not {"examples", "examples/requests.jsonl"} & ignored  # package data
 
 
 # --- monitoring ----------------------------------------------------------------------
@@ -445,10 +446,10 @@ def test_docker_compose_config_accepts_the_file():
 def test_the_worker_healthcheck_takes_the_freshest_beat_of_this_host():
     now = time.time()
     entries = {
-        b"text@box:1": json.dumps({"at": now - 500}),
-        b"text@box:2": json.dumps({"at": now - 5}),
-        b"text@boxer:3": json.dumps({"at": now}),
-        b"image@box:4": "not json",
+        "text@box:1": json.dumps({"at": now - 500}),
+        "text@box:2": json.dumps({"at": now - 5}),
+        "text@boxer:3": json.dumps({"at": now}),
+        "image@box:4": "not json",
     }
     beats = worker_beats(entries)
     assert {b.name for b in beats} == {"text@box:1", "text@box:2", "text@boxer:3"}
@@ -462,7 +463,7 @@ def test_the_worker_healthcheck_takes_the_freshest_beat_of_this_host():
 
 def test_the_healthcheck_imports_no_torch():
     code = (
-        "import sys, producers.healthcheck, producers.cli; "
-        "sys.exit('torch' in sys.modules or 'workers' in sys.modules)"
+        "import sys, vlmq.producers.healthcheck, vlmq.producers.cli; "
+        "sys.exit('torch' in sys.modules or 'vlmq.workers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from config.schemas import Request
-from config.settings import EngineSettings, FaultInjection, MediaSettings
-from workers.samples import data_uri, save_image, save_video
-from workers.tiny import build_tiny_model
+from vlmq.config.schemas import Request
+from vlmq.config.settings import EngineSettings, FaultInjection, MediaSettings
+from vlmq.workers.testing.samples import data_uri, save_image, save_video
+from vlmq.workers.testing.tiny import build_tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 
@@ -28,7 +28,7 @@ def model_dir(request, tmp_path_factory):
 
 
 def _engine(model_dir, media, **engine_fields):
-    from workers.engine import Engine
+    from vlmq.workers.engine import Engine
 
     settings = EngineSettings(max_new_tokens_default=8, **engine_fields)
     return Engine(str(model_dir), settings, MediaSettings(local_roots=[str(media)])).setup()
@@ -250,7 +250,7 @@ def test_max_new_tokens_over_the_cap_is_rejected(qwen, media):
 
 
 def test_transient_fetch_errors_are_retried_then_reported(qwen, media):
-    from config.errors import MediaFetchTransient
+    from vlmq.config.errors import MediaFetchTransient
 
     engine = _engine(qwen, media)
     engine.media_settings.fetch_retry_backoff_s = 0.0

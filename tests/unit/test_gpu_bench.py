@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bench import gpu_bench
-from workers.tiny import FAMILIES, build_tiny_model
+from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model, count_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 # Published parameter counts of Qwen2.5-VL-3B, Qwen3-VL-2B, InternVL3-2B (in billions).
@@ -154,7 +154,7 @@ def test_fast_build_has_the_tiny_builders_layout(tmp_path: Path) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_real_dimensions_have_the_published_parameter_counts(family: str) -> None:
     low, high = REAL_PARAMS_B[family]
-    assert low <= gpu_bench.count_parameters(family, "real") / 1e9 <= high
+    assert low <= count_parameters(family, "real") / 1e9 <= high
 
 
 def test_gpu_sh_is_valid_bash() -> None:

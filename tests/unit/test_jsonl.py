@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from config.jsonl import read_requests
+from vlmq.config.jsonl import read_requests
 
 
 def _lines(*objs):
@@ -32,8 +32,9 @@ def test_both_formats_are_detected_per_line():
             )
         )
     )
-    assert [p.request.custom_id for p in parsed] == ["a", "b"]
-    assert parsed[1].request.generation.max_new_tokens == 9
+    requests = [p.request for p in parsed if p.request is not None]
+    assert [r.custom_id for r in requests] == ["a", "b"]
+    assert requests[1].generation.max_new_tokens == 9
 
 
 def test_bad_lines_become_error_records_and_the_rest_goes_on():
@@ -53,14 +54,16 @@ def test_bad_lines_become_error_records_and_the_rest_goes_on():
     assert "not valid JSON" in errors[0].message
     assert errors[1].custom_id == "x" and errors[1].message.startswith("messages")
     assert "only /v1/chat/completions" in errors[2].message
-    assert parsed[-1].request.custom_id == "ok"
+    last = parsed[-1].request
+    assert last is not None and last.custom_id == "ok"
 
 
 def test_duplicate_custom_ids_are_rejected():
     line = {"custom_id": "same", "messages": [{"role": "user", "content": "hi"}]}
     parsed = list(read_requests(_lines(line, line)))
     assert parsed[0].request is not None
-    assert parsed[1].error.code == "duplicate_custom_id"
+    error = parsed[1].error
+    assert error is not None and error.code == "duplicate_custom_id"
 
 
 def test_blank_lines_are_skipped_and_line_numbers_kept():

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +10,18 @@ import av
 import pytest
 from PIL import Image
 
-from config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
-from config.settings import MediaSettings
-from workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
-from workers.media.decode import plan_sample_times
-from workers.samples import (
+from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
+from vlmq.workers.media.decode import plan_sample_times
+from vlmq.workers.testing.samples import (
     data_uri,
+    encode,
     frame_code_modulus,
     make_audio_bytes,
     make_image,
     make_video_bytes,
+    png_header_only,
     read_frame_code,
     save_image,
     save_video,
@@ -30,23 +30,6 @@ from workers.samples import (
 pytestmark = pytest.mark.unit
 
 SETTINGS = MediaSettings()
-
-
-def encode(image: Image.Image, format: str, **params: Any) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=format, **params)
-    return buffer.getvalue()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG that declares a size in IHDR and carries no pixels: a bomb for free."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
 # --- images --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from config.errors import (
+from vlmq.config.errors import (
     InvalidRequest,
     MediaDecodeFailed,
     MediaFetchFailed,
@@ -30,11 +30,11 @@ from config.errors import (
     MediaTooLarge,
     VlmqError,
 )
-from config.settings import MediaSettings
-from workers.media import MediaLoader
-from workers.media.fetch import MediaFetcher
-from workers.media.netpolicy import is_public_address, parse_http_url
-from workers.samples import data_uri, make_image
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media import MediaLoader
+from vlmq.workers.media.fetch import MediaFetcher
+from vlmq.workers.media.netpolicy import is_public_address, parse_http_url
+from vlmq.workers.testing.samples import data_uri, make_image
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from config.schemas import GenerationParams, Modality, Request
+from vlmq.config.schemas import GenerationParams, Modality, Request
 
 
 def _request(content, **kw):

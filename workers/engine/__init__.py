@@ -9,7 +9,7 @@ __all__ = ["Engine", "EngineStats", "Outcome"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from workers.engine import engine
+        from vlmq.workers.engine import engine
 
         return getattr(engine, name)
     raise AttributeError(name)

@@ -16,14 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
-from config.schemas import Request, Result, Usage
-from config.settings import EngineSettings, MediaSettings
-from workers.engine.batching import plan_micro_batches
-from workers.engine.model import LoadedModel, load_model
-from workers.engine.prepare import Prepared, Preparer, video_frame_counts
-from workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
-from workers.media import MediaLoader
+from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
+from vlmq.config.schemas import Request, Result, Usage
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.engine.batching import plan_micro_batches
+from vlmq.workers.engine.model import LoadedModel, load_model
+from vlmq.workers.engine.prepare import Prepared, Preparer, video_frame_counts
+from vlmq.workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
+from vlmq.workers.media import MediaLoader
 
 __all__ = ["Engine", "EngineStats", "Outcome"]
 

@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from config.errors import ConfigError
-from config.settings import EngineSettings
+from vlmq.config.errors import ConfigError
+from vlmq.config.settings import EngineSettings
 
 __all__ = ["LoadedModel", "load_model", "resolve_attention", "resolve_device", "resolve_dtype"]
 

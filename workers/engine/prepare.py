@@ -14,12 +14,18 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from config.errors import InvalidRequest, PromptTooLong, RetryableError, TooManyMedia, VlmqError
-from config.schemas import ImagePart, Request, TextPart, VideoPart
-from config.settings import EngineSettings, MediaSettings
-from workers.engine.estimate import estimate_prompt_tokens
-from workers.engine.model import LoadedModel
-from workers.media import DecodedVideo, MediaLoader
+from vlmq.config.errors import (
+    InvalidRequest,
+    PromptTooLong,
+    RetryableError,
+    TooManyMedia,
+    VlmqError,
+)
+from vlmq.config.schemas import ImagePart, Request, TextPart, VideoPart
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.engine.estimate import estimate_prompt_tokens
+from vlmq.workers.engine.model import LoadedModel
+from vlmq.workers.media import DecodedVideo, MediaLoader
 
 __all__ = ["Prepared", "Preparer"]
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from config.errors import OutOfMemory
-from config.schemas import FinishReason, TextPart
-from config.settings import EXIT_INJECTED_CRASH, FaultInjection
-from workers.engine.controls import RowSampler, RowSampling, RowStopper
-from workers.engine.model import LoadedModel
-from workers.engine.prepare import Prepared
+from vlmq.config.errors import OutOfMemory
+from vlmq.config.schemas import FinishReason, TextPart
+from vlmq.config.settings import EXIT_INJECTED_CRASH, FaultInjection
+from vlmq.workers.engine.controls import RowSampler, RowSampling, RowStopper
+from vlmq.workers.engine.model import LoadedModel
+from vlmq.workers.engine.prepare import Prepared
 
 __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory"]
 

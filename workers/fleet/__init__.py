@@ -1,1 +1,17 @@
-"""The fleet side of a worker: intake from Redis, status, results, the batch loop."""
+"""The fleet side of a worker process, one module a job.
+
+* ``service.py``: ``WorkerService`` (lifecycle, heartbeat) and ``compose_loop``, which builds
+  every collaborator below and hands them to the loop;
+* ``loop.py``: ``BatchLoop``, pull → triage → run → settle per modality class;
+* ``intake.py``: the leased batch pull (``Intake``), the shared lease side (``Leases``) and
+  what this worker holds (``Held``);
+* ``triage.py``: decode, drop, expire, dead-letter, start; ``work.py``: one pulled message and
+  the settlements it ends in;
+* ``settle.py``: result objects, then terminal statuses and acknowledgements;
+* ``housekeeping.py``: the reaper, job expiry, webhook polling; ``webhooks.py``: delivery;
+* ``observer.py``: the loop's hooks, implemented by ``metrics.py`` (Prometheus) and
+  ``events.py`` (Celery task events for Flower);
+* ``celery_app.py``: the Celery host of the loop.
+
+Task and job status and the result stores are the contract both sides share: ``vlmq.config``.
+"""

@@ -13,15 +13,15 @@ from typing import Any, ClassVar
 
 from celery import Celery, bootsteps
 
-from config.settings import Settings
-from config.wire import TASK_NAME
+from vlmq.config.keys import Keys
+from vlmq.config.settings import Settings
+from vlmq.config.wire import TASK_NAME
 
-__all__ = ["CONTROL_QUEUE", "IntakeStep", "make_app"]
-
-CONTROL_QUEUE = "vlmq.control"
+__all__ = ["IntakeStep", "make_app"]
 
 
 def make_app(settings: Settings, service: Any = None) -> Celery:
+    keys = Keys(settings.fleet.key_prefix)
     app = Celery("vlmq", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         task_serializer="json",
@@ -44,8 +44,8 @@ def make_app(settings: Settings, service: Any = None) -> Celery:
         task_time_limit=300,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
-        task_default_queue=CONTROL_QUEUE,
-        task_routes={TASK_NAME: {"queue": "vlmq.text"}},
+        task_default_queue=keys.control_queue(),
+        task_routes={TASK_NAME: {"queue": keys.queue("text")}},
     )
 
     @app.task(name="vlmq.ping")

@@ -13,17 +13,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from config.wire import TASK_NAME
+from vlmq.config.wire import TASK_NAME
+from vlmq.workers.fleet.observer import LoopObserver
 
 __all__ = ["TaskEvents"]
 
 log = logging.getLogger(__name__)
 
 
-class TaskEvents:
+class TaskEvents(LoopObserver):
     def __init__(self, broker_url: str, hostname: str) -> None:
         from celery import Celery
 
@@ -57,7 +58,7 @@ class TaskEvents:
             )
             self._send("task-started", uuid=task_id, timestamp=now)
 
-    def finished(self, record: dict[str, Any]) -> None:
+    def result(self, record: Mapping[str, Any]) -> None:
         timings = record.get("timings") or {}
         started, finished = timings.get("started_at"), timings.get("finished_at")
         runtime = (finished - started) if started and finished else None

@@ -3,14 +3,17 @@
 Every figure an operator needs to size and debug the fleet: queue depth per
 class, batch size and fill, padding efficiency, token rates (as counters; use
 ``rate()``), per-stage latency, failures by error code, OOM splits,
-redeliveries and dead letters.
+redeliveries and dead letters. Fed by the batch loop's observer hooks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from vlmq.workers.fleet.observer import LoopObserver
 
 __all__ = ["WorkerMetrics"]
 
@@ -19,7 +22,7 @@ _FRACTIONS = (0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 
 
-class WorkerMetrics:
+class WorkerMetrics(LoopObserver):
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         def histogram(name: str, doc: str, labels: list[str], buckets: Any) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=registry)
@@ -54,11 +57,16 @@ class WorkerMetrics:
         self.dead_letters = counter("vlmq_dead_letters", "Requests dead-lettered", [])
         self._oom_seen = 0
 
-    def observe_batch(self, modality: str, size: int, maximum: int) -> None:
+    def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
         self.batch_size.labels(modality).observe(size)
-        self.batch_fill.labels(modality).observe(size / max(1, maximum))
+        self.batch_fill.labels(modality).observe(size / max(1, max_size))
+        if redelivered:
+            self.redeliveries.inc(redelivered)
 
-    def observe_result(self, record: dict[str, Any]) -> None:
+    def dead_lettered(self, task_id: str) -> None:
+        self.dead_letters.inc()
+
+    def result(self, record: Mapping[str, Any]) -> None:
         modality = str(record.get("modality") or "unknown")
         status = str(record.get("status"))
         self.tasks.labels(modality, status).inc()
@@ -81,10 +89,16 @@ class WorkerMetrics:
         if status != "succeeded":
             self.failures.labels(str((record.get("error") or {}).get("code"))).inc()
 
-    def observe_upload(self, seconds: float, modality: str) -> None:
+    def uploaded(self, seconds: float, modality: str) -> None:
         self.stage.labels("upload", modality).observe(seconds)
 
-    def observe_engine(self, stats: Any) -> None:
+    def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
+        for modality, depth in queue_depths.items():
+            self.queue_depth.labels(modality).set(depth)
+        if engine_stats is not None:
+            self._engine(engine_stats)
+
+    def _engine(self, stats: Any) -> None:
         """Engine counters are cumulative; export the increase."""
         total = int(getattr(stats, "oom_splits", 0))
         if total > self._oom_seen:

@@ -17,23 +17,68 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-import redis
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from redis import Redis, RedisError
 
-from config.results import open_store
-from config.settings import Settings
-from config.status import Keys
-from workers.fleet.events import TaskEvents
-from workers.fleet.loop import BatchLoop, LoopConfig
-from workers.fleet.metrics import WorkerMetrics
+from vlmq.config.connection import create_redis
+from vlmq.config.keys import Keys
+from vlmq.config.results import ResultStore, open_store
+from vlmq.config.settings import Settings
+from vlmq.config.statusdb import StatusDB
+from vlmq.workers.fleet.events import TaskEvents
+from vlmq.workers.fleet.housekeeping import Housekeeper
+from vlmq.workers.fleet.intake import Held, Intake, Leases
+from vlmq.workers.fleet.loop import BatchLoop, EngineLike, LoopParts
+from vlmq.workers.fleet.metrics import WorkerMetrics
+from vlmq.workers.fleet.observer import LoopObserver, Observers
+from vlmq.workers.fleet.settle import Settler
+from vlmq.workers.fleet.triage import Triage
+from vlmq.workers.fleet.webhooks import WebhookSender
 
-__all__ = ["WorkerService"]
+__all__ = ["WorkerService", "compose_loop"]
 
 log = logging.getLogger(__name__)
 
 EXIT_STUCK = 70
+
+
+def compose_loop(
+    settings: Settings,
+    modalities: Sequence[str],
+    engine: EngineLike,
+    worker: str,
+    redis: Redis,
+    store: ResultStore,
+    observers: Sequence[LoopObserver] = (),
+) -> BatchLoop:
+    """Build a batch loop's collaborators and hand them to it (the loop builds nothing)."""
+    fleet = settings.fleet
+    keys = Keys(fleet.key_prefix)
+    status = StatusDB(redis, keys, ttl_s=fleet.task_ttl_s)
+    leases = Leases(redis, keys)
+    held = Held()
+    observer = Observers(observers)
+    settler = Settler(
+        store, status, leases, held, observer, fleet.upload_threads, fleet.store_retry_max_s
+    )
+    webhooks = WebhookSender(status, settings.webhooks)
+    parts = LoopParts(
+        engine=engine,
+        status=status,
+        intakes={m: Intake(redis, keys, m) for m in modalities},
+        leases=leases,
+        held=held,
+        settler=settler,
+        triage=Triage(
+            status, leases, held, settler, observer, worker, engine.model_name, fleet.max_deliveries
+        ),
+        housekeeper=Housekeeper(status, leases, webhooks, fleet.reap_interval_s),
+        observer=observer,
+    )
+    return BatchLoop(fleet, settings.batch, worker, parts)
 
 
 class WorkerService:
@@ -49,50 +94,29 @@ class WorkerService:
         self.engine = engine
         self.name = name or f"{'+'.join(modalities)}@{socket.gethostname()}:{os.getpid()}"
         self.keys = Keys(settings.fleet.key_prefix)
+        self.redis = create_redis(settings)  # a pool: connects on first use
         self.loop: BatchLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
 
     def setup(self) -> WorkerService:
         self.engine.setup()
-        fleet = self.settings.fleet
-        client = redis.Redis.from_url(
-            self.settings.redis_url,
-            socket_timeout=fleet.redis_socket_timeout_s,
-            socket_connect_timeout=fleet.redis_socket_timeout_s,
-            health_check_interval=10,
-            retry_on_timeout=True,
-        )
-        store = open_store(
-            self.settings.results_url, self.settings.s3_endpoint_url, self.settings.s3_region
-        )
-        config = LoopConfig(
-            modalities=self.modalities,
-            policies=self.settings.batch,
-            worker=self.name,
-            lease_s=fleet.lease_s,
-            reap_interval_s=fleet.reap_interval_s,
-            max_deliveries=fleet.max_deliveries,
-            batch_time_limit_s=fleet.batch_time_limit_s,
-            upload_threads=fleet.upload_threads,
-            store_retry_max_s=fleet.store_retry_max_s,
-            webhooks=self.settings.webhooks,
-        )
-        events = (
-            TaskEvents(self.settings.redis_url, self.name.replace(":", "-"))
-            if fleet.task_events
-            else None
-        )
-        self.loop = BatchLoop(
-            config, self.engine, client, store, self.keys, self._metrics(), events
+        settings = self.settings
+        store = open_store(settings.results_url, settings.s3_endpoint_url, settings.s3_region)
+        observers: list[LoopObserver] = [self._metrics()]
+        if settings.fleet.task_events:
+            observers.append(TaskEvents(settings.redis_url, self.name.replace(":", "-")))
+        self.loop = compose_loop(
+            settings, self.modalities, self.engine, self.name, self.redis, store, observers
         )
         return self
 
-    def _metrics(self) -> WorkerMetrics | None:
-        """Process-wide metrics, served over HTTP when a port is configured."""
+    def _metrics(self) -> WorkerMetrics:
+        """Process-wide metrics, served over HTTP when a port is configured (a private
+        registry otherwise: nothing reads it, and tests run many workers in one process)."""
         port = self.settings.metrics.port
         if port is None:
-            return None
+            return WorkerMetrics(CollectorRegistry())
         metrics = WorkerMetrics()
         start_http_server(port, addr=self.settings.metrics.host)
         log.info("metrics on http://%s:%d/metrics", self.settings.metrics.host, port)
@@ -125,7 +149,7 @@ class WorkerService:
             try:
                 alive = self.loop.heartbeat()
                 self._announce()
-            except redis.RedisError:
+            except RedisError:
                 log.warning("heartbeat could not reach Redis", exc_info=True)
                 continue
             if not alive:
@@ -142,7 +166,7 @@ class WorkerService:
             "model": self.engine.model_name,
             "engine": _engine_stats(self.engine),
         }
-        self.loop.status.redis.hset(self.keys.workers(), self.name, json.dumps(info))
+        self.redis.hset(self.keys.workers(), self.name, json.dumps(info))
 
     def stop(self, drain_timeout_s: float = 60.0) -> None:
         if self.loop is None or self._stopped.is_set():
@@ -153,8 +177,8 @@ class WorkerService:
                 thread.join(timeout=self.settings.fleet.batch_time_limit_s)
         self.loop.shutdown(drain_timeout_s)
         self._stopped.set()
-        with contextlib.suppress(redis.RedisError):
-            self.loop.status.redis.hdel(self.keys.workers(), self.name)
+        with contextlib.suppress(RedisError):
+            self.redis.hdel(self.keys.workers(), self.name)
         log.info("worker %s stopped", self.name)
 
     def wait(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -22,11 +22,12 @@ from typing import Any
 
 import redis
 
-from config.errors import StoreUnavailable
-from config.results import ResultStore, result_key
-from config.status import TaskState
-from config.statusdb import StatusDB
-from workers.intake import Intake
+from vlmq.config.errors import StoreUnavailable
+from vlmq.config.results import ResultStore, result_key
+from vlmq.config.status import TaskState
+from vlmq.config.statusdb import StatusDB
+from vlmq.workers.fleet.intake import Held, Leases
+from vlmq.workers.fleet.observer import LoopObserver
 
 __all__ = ["Settlement", "Settler"]
 
@@ -53,17 +54,17 @@ class Settler:
         self,
         store: ResultStore,
         status: StatusDB,
-        intake: Intake,
-        release: Callable[[list[str]], None],
-        threads: int = 8,
-        retry_max_s: float = 30.0,
-        on_upload: Callable[[float, str], None] | None = None,
+        leases: Leases,
+        held: Held,
+        observer: LoopObserver,
+        threads: int,
+        retry_max_s: float,
     ) -> None:
-        self.on_upload = on_upload
         self.store = store
         self.status = status
-        self.intake = intake
-        self.release = release
+        self.leases = leases
+        self.held = held
+        self.observer = observer
         self.retry_max_s = retry_max_s
         # Batches settle one after another (two in flight), their uploads in parallel.
         self._batches = ThreadPoolExecutor(max_workers=2, thread_name_prefix="settle")
@@ -111,8 +112,9 @@ class Settler:
         record = settlement.record
         started = time.perf_counter()
         url = self._put_with_retry(result_key(settlement.task_id, record.get("job_id")), record)
-        if self.on_upload is not None:
-            self.on_upload(time.perf_counter() - started, str(record.get("modality") or "unknown"))
+        self.observer.uploaded(
+            time.perf_counter() - started, str(record.get("modality") or "unknown")
+        )
         return url
 
     def finish_many(self, settlements: Sequence[Settlement]) -> None:
@@ -126,8 +128,8 @@ class Settler:
             try:
                 pipe = self.status.redis.pipeline(transaction=True)
                 moves = [(s.task_id, s.state, s.fields) for s in settlements]
-                self.status.transition_many(moves, client=pipe)
-                self.intake.ack(ids, client=pipe)
+                self.status.transition_many(moves, pipe=pipe)
+                self.leases.ack(ids, pipe=pipe)
                 pipe.execute()
                 break
             except redis.ConnectionError:
@@ -136,7 +138,7 @@ class Settler:
                 log.warning("Redis unreachable while finishing %d tasks; retrying", len(ids))
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        self.release(ids)
+        self.held.release(ids)
 
     def _put_with_retry(self, key: str, record: dict[str, Any]) -> str | None:
         delay = 0.2

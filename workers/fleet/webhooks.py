@@ -20,16 +20,20 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from config.errors import VlmqError
-from config.settings import WebhookSettings
-from config.status import Keys
-from workers.media.netpolicy import check_addresses, parse_http_url
+from vlmq.config.errors import VlmqError
+from vlmq.config.keys import Keys
+from vlmq.config.settings import WebhookSettings
+from vlmq.config.status import COUNTED, TERMINAL
+from vlmq.config.statusdb import StatusDB
+from vlmq.workers.media.netpolicy import check_addresses, parse_http_url
 
 __all__ = ["WebhookSender", "sign"]
 
 log = logging.getLogger(__name__)
+
+
+_TERMINAL_ORDER = [s for s in COUNTED if s in TERMINAL]
 
 
 def sign(secret: str, body: bytes) -> str:
@@ -37,13 +41,11 @@ def sign(secret: str, body: bytes) -> str:
 
 
 class WebhookSender:
-    def __init__(
-        self, client: Any, keys: Keys, settings: WebhookSettings, summarize: Any = None
-    ) -> None:
-        self.redis = client
-        self.keys = keys
+    def __init__(self, status: StatusDB, settings: WebhookSettings) -> None:
+        self.status = status
+        self.redis = status.redis
+        self.keys: Keys = status.keys
         self.settings = settings
-        self.summarize = summarize
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="webhook")
 
     def poll(self, limit: int = 16) -> int:
@@ -56,31 +58,21 @@ class WebhookSender:
             if job_id is None:
                 break
             taken += 1
-            self._pool.submit(self._deliver, _text(job_id))
+            self._pool.submit(self._deliver, str(job_id))
         return taken
 
     def _payload(self, job_id: str) -> tuple[str | None, bytes]:
-        raw = {_text(k): _text(v) for k, v in self.redis.hgetall(self.keys.job(job_id)).items()}
-        counts = {
-            s: int(raw.get(s, 0) or 0) for s in ("succeeded", "failed", "cancelled", "expired")
-        }
-        state = "completed"
-        if raw.get("cancel_requested") == "1":
-            state = "cancelled"
-        elif counts["expired"]:
-            state = "expired"
-        elif int(raw.get("total", 0) or 0) == 0:
-            state = "failed"
+        job = self.status.job(job_id)
         body = {
             "event": "job.finished",
             "event_id": uuid.uuid4().hex,
             "job_id": job_id,
-            "state": state,
-            "total": int(raw.get("total", 0) or 0),
-            "counts": counts,
-            "finished_at": float(raw.get("finished_at") or time.time()),
+            "state": job.state.value,
+            "total": job.total,
+            "counts": {s.value: job.counts.get(s.value, 0) for s in _TERMINAL_ORDER},
+            "finished_at": job.finished_at or time.time(),
         }
-        return raw.get("webhook_url") or None, json.dumps(body, separators=(",", ":")).encode()
+        return job.webhook_url, json.dumps(body, separators=(",", ":")).encode()
 
     def _deliver(self, job_id: str) -> None:
         try:
@@ -136,7 +128,3 @@ class WebhookSender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

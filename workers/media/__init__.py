@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from PIL import Image
 
-from config.errors import InvalidRequest
-from config.settings import MediaSettings
-from workers.media.decode import (
+from vlmq.config.errors import InvalidRequest
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.decode import (
     DecodedVideo,
     check_image_pixels,
     decode_image,
     decode_video,
     to_rgb,
 )
-from workers.media.fetch import MediaFetcher, MediaKind
-from workers.media.netpolicy import Resolver
-from workers.media.s3_fetch import S3ClientFactory
+from vlmq.workers.media.fetch import MediaFetcher, MediaKind
+from vlmq.workers.media.netpolicy import Resolver
+from vlmq.workers.media.s3_fetch import S3ClientFactory
 
 __all__ = [
     "DecodedVideo",

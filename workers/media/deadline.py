@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar, cast
 
-from config.errors import MediaFetchTransient
+from vlmq.config.errors import MediaFetchTransient
 
 __all__ = ["Deadline", "call_with_deadline"]
 

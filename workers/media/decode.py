@@ -19,8 +19,8 @@ from typing import Any
 import av
 from PIL import Image, ImageOps
 
-from config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
-from config.settings import MediaSettings
+from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
+from vlmq.config.settings import MediaSettings
 
 __all__ = ["DecodedVideo", "decode_image", "decode_video", "plan_sample_times", "to_rgb"]
 

@@ -21,18 +21,18 @@ import stat
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
-from config.errors import (
+from vlmq.config.errors import (
     InvalidRequest,
     MediaDecodeFailed,
     MediaFetchFailed,
     MediaForbidden,
     MediaTooLarge,
 )
-from config.settings import MediaSettings
-from workers.media.deadline import Deadline
-from workers.media.http_fetch import HttpFetcher
-from workers.media.netpolicy import Resolver
-from workers.media.s3_fetch import S3ClientFactory, S3Fetcher
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.deadline import Deadline
+from vlmq.workers.media.http_fetch import HttpFetcher
+from vlmq.workers.media.netpolicy import Resolver
+from vlmq.workers.media.s3_fetch import S3ClientFactory, S3Fetcher
 
 __all__ = ["MediaFetcher", "MediaKind", "decode_data_uri"]
 

@@ -19,16 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urljoin
 
-from config.errors import (
+from vlmq.config.errors import (
     InvalidRequest,
     MediaFetchFailed,
     MediaFetchTransient,
     MediaTooLarge,
     VlmqError,
 )
-from config.settings import MediaSettings
-from workers.media.deadline import Deadline
-from workers.media.netpolicy import (
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.deadline import Deadline
+from vlmq.workers.media.netpolicy import (
     HttpTarget,
     IPAddress,
     Resolver,

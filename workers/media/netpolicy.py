@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from config.errors import InvalidRequest, MediaFetchTransient, MediaForbidden
-from workers.media.deadline import Deadline, call_with_deadline
+from vlmq.config.errors import InvalidRequest, MediaFetchTransient, MediaForbidden
+from vlmq.workers.media.deadline import Deadline, call_with_deadline
 
 __all__ = [
     "HttpTarget",

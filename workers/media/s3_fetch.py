@@ -9,7 +9,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from config.errors import (
+from vlmq.config.errors import (
     InvalidRequest,
     MediaFetchFailed,
     MediaFetchTransient,
@@ -17,8 +17,8 @@ from config.errors import (
     MediaTooLarge,
     VlmqError,
 )
-from config.settings import MediaSettings
-from workers.media.deadline import Deadline, call_with_deadline
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.deadline import Deadline, call_with_deadline
 
 __all__ = ["S3ClientFactory", "S3Fetcher", "parse_s3_url"]
 

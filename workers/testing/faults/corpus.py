@@ -44,14 +44,20 @@ from hypothesis import strategies as st
 from PIL import Image
 from pydantic import ValidationError
 
-from config.errors import MediaDecodeFailed, MediaTooLarge
-from config.jsonl import describe_validation_error
-from config.schemas import Request, Result
-from config.settings import EngineSettings, MediaSettings
-from tests.unit.test_media import encode, png_header_only
-from workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
-from workers.media.netpolicy import system_resolver
-from workers.samples import data_uri, make_audio_bytes, make_image, make_video_bytes
+from vlmq.config.errors import MediaDecodeFailed, MediaTooLarge
+from vlmq.config.jsonl import describe_validation_error
+from vlmq.config.schemas import Request, Result
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
+from vlmq.workers.media.netpolicy import system_resolver
+from vlmq.workers.testing.samples import (
+    data_uri,
+    encode,
+    make_audio_bytes,
+    make_image,
+    make_video_bytes,
+    png_header_only,
+)
 
 __all__ = [
     "ALLOWLISTED_HOSTS",

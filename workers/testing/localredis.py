@@ -7,12 +7,17 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import TypeVar
 
-import redis
+from redis import RedisError
 
-from config.errors import ConfigError
+from vlmq.config.connection import create_redis
+from vlmq.config.errors import ConfigError
+from vlmq.config.settings import Settings
 
 __all__ = ["LocalRedis", "free_port"]
+
+R = TypeVar("R", bound="LocalRedis")
 
 
 def free_port() -> int:
@@ -41,7 +46,7 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+    def start(self: R, timeout_s: float = 10.0) -> R:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [
@@ -74,10 +79,13 @@ class LocalRedis:
         return self
 
     def _pings(self) -> bool:
+        connection = create_redis(Settings(redis_url=self.url), timeout_s=0.5)
         try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
-        except redis.RedisError:
+            return bool(connection.ping())
+        except RedisError:
             return False
+        finally:
+            connection.close()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -8,11 +8,12 @@ import signal
 import time
 from typing import Any
 
-from config.results import result_key
-from config.status import TERMINAL, Keys
-from config.wire import encode_message
-from tests.faults.harness import Harness
-from tests.support.services import wait_until
+from vlmq.config.keys import Keys
+from vlmq.config.results import result_key
+from vlmq.config.status import TERMINAL
+from vlmq.config.wire import encode_message
+from vlmq.workers.testing.faults.harness import Harness
+from vlmq.workers.testing.services import wait_until
 
 TERMINAL_STATES = {s.value for s in TERMINAL}
 
@@ -253,7 +254,7 @@ def sigterm_mid_batch(h: Harness, tasks: int = 64, delay_s: float = 1.0) -> dict
 def double_publish(h: Harness) -> dict[str, Any]:
     """The same task id published twice (and a third time through Celery's format)."""
     task = h.client.submit([{"role": "user", "content": "once"}], lane="bulk")
-    raw = h.client.redis.lindex("vlmq.text", 0)
+    raw: str = h.client.redis.lindex("vlmq.text", 0)  # type: ignore[assignment]
     h.client.redis.lpush("vlmq.text", raw)
     request = {"id": task, "messages": [{"role": "user", "content": "once"}]}
     h.client.redis.lpush("vlmq.text", encode_message(request, task, "vlmq.text"))
@@ -275,6 +276,6 @@ def double_publish(h: Harness) -> dict[str, Any]:
 
 
 def _policy(size: int, wait_s: float) -> str:
-    from tests.faults.harness import batch_policy
+    from vlmq.workers.testing.faults.harness import batch_policy
 
     return batch_policy(size, wait_s)

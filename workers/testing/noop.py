@@ -10,8 +10,8 @@ import os
 import time
 from collections.abc import Sequence
 
-from config.schemas import FinishReason, Request, Result, Usage
-from config.settings import EXIT_INJECTED_CRASH
+from vlmq.config.schemas import FinishReason, Request, Result, Usage
+from vlmq.config.settings import EXIT_INJECTED_CRASH
 
 __all__ = ["NoopEngine"]
 

@@ -13,7 +13,10 @@ import base64
 import io
 import mimetypes
 import random
+import struct
+import zlib
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -21,10 +24,12 @@ from PIL import Image, ImageDraw
 
 __all__ = [
     "data_uri",
+    "encode",
     "frame_code_modulus",
     "make_audio_bytes",
     "make_image",
     "make_video_bytes",
+    "png_header_only",
     "read_frame_code",
     "save_image",
     "save_video",
@@ -192,3 +197,20 @@ def data_uri(path_or_bytes: str | Path | bytes, mime: str | None = None) -> str:
         mime = mime or mimetypes.guess_type(str(path_or_bytes))[0]
     encoded = base64.b64encode(payload).decode("ascii")
     return f"data:{mime or 'application/octet-stream'};base64,{encoded}"
+
+
+def encode(image: Image.Image, format: str, **params: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format, **params)
+    return buffer.getvalue()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares a size in IHDR and carries no pixels: a bomb for free."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from config.settings import Settings
-from config.status import Keys
-from producers.client import Client
-from tests.support.proxy import Proxy
-from tests.support.services import MotoServer, RedisServer, wait_until
+from vlmq.config.keys import Keys
+from vlmq.config.settings import Settings
+from vlmq.producers.client import Client
+from vlmq.workers.testing.proxy import Proxy
+from vlmq.workers.testing.services import MotoServer, RedisServer, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ class Harness:
     # workers -----------------------------------------------------------------
     def worker(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "producers", "worker", *args],
+            [sys.executable, "-m", "vlmq", "worker", *args],
             cwd=ROOT,
             env=self.env(**env),
             stdout=subprocess.DEVNULL,
@@ -140,12 +140,13 @@ class Harness:
 
     # jobs ----------------------------------------------------------------------
     def submit_text(self, n: int, marker: str = "") -> tuple[str, list[str]]:
+        def text(i: int) -> str:
+            return f"task {i} {marker}" if marker and i == n // 2 else f"task {i}"
+
         items = [
-            {"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"task {i}"}]}
+            {"custom_id": f"c{i}", "messages": [{"role": "user", "content": text(i)}]}
             for i in range(n)
         ]
-        if marker:
-            items[n // 2]["messages"][0]["content"] = f"task {n // 2} {marker}"
         job = self.client.submit_many(items)
         return job, list(self.client.job_task_ids(job))
 

@@ -36,8 +36,8 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from workers.tiny.specs import FAMILIES, SIZES, get_spec
-from workers.tiny.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+from vlmq.workers.testing.tiny.specs import FAMILIES, SIZES, get_spec
+from vlmq.workers.testing.tiny.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
 # Embedding rows are padded to a multiple of this, as the real checkpoints pad 151665 -> 151936.
 _VOCAB_MULTIPLE = 64
@@ -82,7 +82,7 @@ FAMILY_CLASSES: dict[str, FamilyClasses] = {
 def chat_template(family: str) -> str:
     """The family's chat template, a copy of the published one (shipped as package data)."""
     name = f"chat_template_{family}.jinja"
-    return resources.files("workers.tiny").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("vlmq.workers.testing.tiny").joinpath(name).read_text(encoding="utf-8")
 
 
 def _check_family_size(family: str, size: str) -> None:
@@ -185,20 +185,66 @@ def build_model(config: PreTrainedConfig, family: str, seed: int) -> PreTrainedM
     return model.eval()
 
 
-def build_tiny_model(out_dir: str | Path, family: str, size: str = "tiny", seed: int = 0) -> Path:
+def _on_meta(config: PreTrainedConfig, family: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The family's model on the meta device: its shapes, no memory, no initialisation."""
+    model_class: Any = FAMILY_CLASSES[family].model
+    with torch.device("meta"):
+        model: PreTrainedModel = model_class._from_config(config, dtype=dtype)
+    return model
+
+
+def build_model_fast(
+    config: PreTrainedConfig, family: str, seed: int, device: str, dtype: str
+) -> PreTrainedModel:
+    """Random weights made where they will run: a meta-device instance materialised on
+    ``device`` in ``dtype``, then the model's own ``initialize_weights`` (normal(0,
+    initializer_range), ones for norms, RoPE buffers) and weight tying. Seconds on a GPU for
+    the real sizes, where :func:`build_model`'s CPU init takes a minute or more. Deterministic
+    per device, not byte-identical to :func:`build_model`."""
+    model = _on_meta(config, family, getattr(torch, dtype))
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every module its own storage: tie again
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.initialize_weights()
+    return model.eval()
+
+
+def count_parameters(family: str, size: str) -> int:
+    """Parameter count of a size's model, from a meta-device instance (instant, no memory)."""
+    tokenizer = build_tokenizer(family, chat_template=chat_template(family))
+    model = _on_meta(build_config(family, size, tokenizer), family, torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    family: str,
+    size: str = "tiny",
+    seed: int = 0,
+    *,
+    device: str | None = None,
+    dtype: str = "float32",
+) -> Path:
     """Write a random-weight checkpoint of ``family`` at ``size`` into ``out_dir``; return it.
 
     The directory gets config.json, generation_config.json, model.safetensors, the tokenizer
     files, the processor configs and chat_template.jinja, i.e. what ``save_pretrained`` writes
     for a real checkpoint. Files with the same names are overwritten; other files are kept.
     The same family/size/seed always produce byte-identical weights and tokenizer files.
+
+    With ``device`` the weights are made there, in ``dtype`` (:func:`build_model_fast`): the
+    way to build the real-dimension sizes on a GPU machine.
     """
     _check_family_size(family, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(family, chat_template=chat_template(family))
     config = build_config(family, size, tokenizer)
-    model = build_model(config, family, seed)
+    if device is None:
+        model = build_model(config, family, seed)
+    else:
+        model = build_model_fast(config, family, seed, device, dtype)
     model.generation_config = build_generation_config(tokenizer)
     model.save_pretrained(out)
     build_processor(family, size, tokenizer).save_pretrained(out)

@@ -64,7 +64,11 @@ PAD_TOKEN = "<|endoftext|>"
 
 def corpus_text() -> str:
     """Return the committed training corpus (shipped as package data)."""
-    return resources.files("workers.tiny").joinpath("corpus.txt").read_text(encoding="utf-8")
+    return (
+        resources.files("vlmq.workers.testing.tiny")
+        .joinpath("corpus.txt")
+        .read_text(encoding="utf-8")
+    )
 
 
 def _bpe_pipeline() -> Tokenizer:

@@ -12,16 +12,27 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
-from producers.localredis import LocalRedis, free_port
+from vlmq.config.connection import create_redis
+from vlmq.config.settings import Settings
+from vlmq.workers.testing.localredis import LocalRedis, free_port
 
 __all__ = ["MotoServer", "RedisServer", "free_port", "wait_until"]
 
+T = TypeVar("T")
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+
+def wait_until(
+    predicate: Callable[..., T],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
     """Poll ``predicate`` until truthy or the deadline passes (no bare sleeps)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -39,8 +50,9 @@ class RedisServer(LocalRedis):
     def __init__(self, workdir: Path, appendonly: bool = True) -> None:
         super().__init__(workdir, appendonly=appendonly)
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+    def connect(self) -> redis.Redis:
+        """A connection as every vlmq process opens one (``create_redis``)."""
+        return create_redis(Settings(redis_url=self.url))
 
     def kill(self) -> None:
         if self.process and self.process.poll() is None:

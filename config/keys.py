@@ -1,0 +1,121 @@
+"""Every Redis key vlmq writes, built in one place from one prefix.
+
+Queue lists use the plain queue names so that Celery's kombu transport and vlmq share them
+(``send_task(..., queue="vlmq.image")`` lands in the list ``vlmq.image``). Everything else is
+``{prefix}:...``. Lua scripts receive the names built here as KEYS or ARGV; where a script must
+reach a key it only learns while running (the hash of a task it just pulled), it receives the
+prefix from here (``task_prefix``, ``job_prefix``) and appends the id, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LANES", "Keys"]
+
+# The lanes of each class: interactive is drained before any bulk work.
+LANES = ("interactive", "bulk")
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "vlmq"
+
+    # queues ----------------------------------------------------------------
+    def queue(self, modality: str, lane: str = "bulk") -> str:
+        base = f"{self.prefix}.{modality}"
+        return base if lane == "bulk" else f"{base}.{lane}"
+
+    def job_queue(self, modality: str, job_id: str) -> str:
+        """A bulk job's own list: workers share out batches fairly across jobs."""
+        return f"{self.prefix}.{modality}.job.{job_id}"
+
+    def control_queue(self) -> str:
+        """The Celery queue a worker's own Celery consumer listens on (``vlmq.ping``)."""
+        return f"{self.prefix}.control"
+
+    def active_jobs(self, modality: str) -> str:
+        """Set of a class's job lists that may hold messages (fair-share members)."""
+        return f"{self.prefix}.{modality}:active"
+
+    # tasks -----------------------------------------------------------------
+    def task(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{task_id}"
+
+    @property
+    def task_prefix(self) -> str:
+        """``task(id)`` is this plus the id (for scripts that learn ids as they run)."""
+        return self.task("")
+
+    def inflight(self) -> str:
+        """Hash task id -> raw message of every message a worker holds."""
+        return f"{self.prefix}:inflight"
+
+    def leases(self) -> str:
+        """Sorted set task id -> lease deadline (unix seconds)."""
+        return f"{self.prefix}:leases"
+
+    def lease_queue(self) -> str:
+        """Hash task id -> queue the message came from (for redelivery)."""
+        return f"{self.prefix}:inflight:queue"
+
+    def lease_active(self) -> str:
+        """Hash task id -> the fair-share set its job list belongs to (job lists only)."""
+        return f"{self.prefix}:inflight:active"
+
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead"
+
+    # jobs ------------------------------------------------------------------
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    @property
+    def job_prefix(self) -> str:
+        """``job(id)`` is this plus the id (for scripts that read a task's job id)."""
+        return self.job("")
+
+    def job_tasks(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:tasks"
+
+    def job_custom_ids(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:custom_ids"
+
+    def job_errors(self, job_id: str) -> str:
+        """Hash line number -> invalid-line record of a bulk submission."""
+        return f"{self.prefix}:job:{job_id}:errors"
+
+    def job_expiry(self) -> str:
+        """Sorted set job id -> completion deadline."""
+        return f"{self.prefix}:jobs:expiry"
+
+    def events(self) -> str:
+        """List of job-finished events waiting for their webhook."""
+        return f"{self.prefix}:events"
+
+    def events_processing(self) -> str:
+        return f"{self.prefix}:events:processing"
+
+    # the HTTP API's OpenAI objects -----------------------------------------
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    def files_index(self) -> str:
+        """Sorted set file id -> creation time (newest-first listing)."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_lock(self, batch_id: str, activity: str) -> str:
+        """One API process at a time feeds or finalizes a batch."""
+        return f"{self.prefix}:batch:{batch_id}:{activity}"
+
+    def batches_index(self) -> str:
+        """Sorted set batch id -> creation time (newest-first listing)."""
+        return f"{self.prefix}:batches"
+
+    # workers ---------------------------------------------------------------
+    def workers(self) -> str:
+        """Hash worker name -> heartbeat record."""
+        return f"{self.prefix}:workers"

@@ -1,3 +1,0 @@
-from producers.cli import main
-
-main()

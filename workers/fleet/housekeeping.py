@@ -1,0 +1,65 @@
+"""The chores any worker does for the whole fleet, every ``reap_interval_s``.
+
+Put back messages whose holder stopped renewing their lease (it died), expire the queued tasks
+of jobs past their completion window, and take finished-job events for their webhooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vlmq.config.status import TaskState
+from vlmq.config.statusdb import StatusDB
+from vlmq.workers.fleet.intake import Leases
+from vlmq.workers.fleet.webhooks import WebhookSender
+
+__all__ = ["Housekeeper"]
+
+log = logging.getLogger(__name__)
+
+_EXPIRED = {
+    "error_code": "expired",
+    "error_message": "the job's completion window ended before it ran",
+}
+
+
+class Housekeeper:
+    def __init__(
+        self,
+        status: StatusDB,
+        leases: Leases,
+        webhooks: WebhookSender,
+        interval_s: float,
+    ) -> None:
+        self.status = status
+        self.leases = leases
+        self.webhooks = webhooks
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def tick(self) -> None:
+        """Do the chores if ``interval_s`` passed since the last time."""
+        now = time.time()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        moved = self.leases.reap(now)
+        if moved:
+            log.warning("requeued %d messages whose worker stopped renewing", moved)
+        self.expire_jobs(now)
+        self.webhooks.poll()
+
+    def expire_jobs(self, now: float) -> int:
+        """Tasks of jobs past their completion window that never started: expired."""
+        redis, keys = self.status.redis, self.status.keys
+        due: list[str] = redis.zrangebyscore(keys.job_expiry(), "-inf", now, 0, 10)  # type: ignore[assignment]
+        expired = 0
+        for job_id in due:
+            fields = {**_EXPIRED, "finished_at": f"{time.time():.6f}"}
+            expired += self.status.finish_queued(job_id, TaskState.EXPIRED, fields)
+            redis.zrem(keys.job_expiry(), job_id)
+        return expired
+
+    def close(self) -> None:
+        self.webhooks.close()

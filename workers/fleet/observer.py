@@ -1,0 +1,77 @@
+"""What the batch loop reports as it works, to whoever listens (metrics, Celery task events).
+
+The loop calls these hooks and knows nothing of who implements them (as dramatiq's
+middleware): :class:`~vlmq.workers.fleet.metrics.WorkerMetrics` turns them into Prometheus
+series, :class:`~vlmq.workers.fleet.events.TaskEvents` into the events Flower reads. A hook
+must not raise into the loop: :class:`Observers` logs and swallows what one raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["LoopObserver", "Observers"]
+
+log = logging.getLogger(__name__)
+
+
+class LoopObserver:
+    """Every hook the loop calls; each does nothing unless overridden."""
+
+    def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
+        """A batch of ``size`` requests is about to run."""
+
+    def started(self, task_ids: Sequence[str]) -> None:
+        """These tasks moved to running."""
+
+    def result(self, record: Mapping[str, Any]) -> None:
+        """A task's result record, before it is stored."""
+
+    def dead_lettered(self, task_id: str) -> None:
+        """A task ran too often without finishing and will not run again."""
+
+    def uploaded(self, seconds: float, modality: str) -> None:
+        """One result object reached the store."""
+
+    def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
+        """The heartbeat ran: queue depths per class, the engine's cumulative counters."""
+
+    def close(self) -> None:
+        """The worker stops."""
+
+
+class Observers(LoopObserver):
+    """Fans each hook out to every observer; one that raises never breaks the loop."""
+
+    def __init__(self, observers: Sequence[LoopObserver] = ()) -> None:
+        self.observers = list(observers)
+
+    def _each(self, hook: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, hook)(*args)
+            except Exception:
+                log.warning("observer %s.%s failed", type(observer).__name__, hook, exc_info=True)
+
+    def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
+        self._each("batch", modality, size, max_size, redelivered)
+
+    def started(self, task_ids: Sequence[str]) -> None:
+        self._each("started", task_ids)
+
+    def result(self, record: Mapping[str, Any]) -> None:
+        self._each("result", record)
+
+    def dead_lettered(self, task_id: str) -> None:
+        self._each("dead_lettered", task_id)
+
+    def uploaded(self, seconds: float, modality: str) -> None:
+        self._each("uploaded", seconds, modality)
+
+    def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
+        self._each("heartbeat", queue_depths, engine_stats)
+
+    def close(self) -> None:
+        self._each("close")

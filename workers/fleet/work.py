@@ -1,0 +1,120 @@
+"""One pulled message on its way through the loop, and the settlements it ends in."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmq.config.errors import PermanentError, error_record
+from vlmq.config.schemas import Request, Result
+from vlmq.config.status import TaskState
+from vlmq.config.wire import TaskMessage
+from vlmq.workers.fleet.intake import Delivery
+from vlmq.workers.fleet.settle import Settlement
+
+__all__ = ["Work", "failed_result", "failure_settlement", "result_settlement", "unique"]
+
+
+@dataclass
+class Work:
+    delivery: Delivery
+    message: TaskMessage | None = None
+    request: Request | None = None
+    status: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def task_id(self) -> str:
+        return self.delivery.task_id
+
+    @property
+    def attempts(self) -> int:
+        """Times this request was handed to an engine without finishing."""
+        try:
+            return int(self.status.get("attempts") or 0)
+        except ValueError:
+            return 0
+
+    @property
+    def first_run(self) -> bool:
+        """Never handed to an engine before this delivery (its attempt was counted as it
+        started)."""
+        return self.delivery.status.get("attempts") is None
+
+    @property
+    def job_id(self) -> str | None:
+        request_job = self.request.job_id if self.request else None
+        return request_job or self.status.get("job_id") or None
+
+
+def unique(deliveries: list[Delivery]) -> list[Delivery]:
+    """Two copies of one task pulled together run once."""
+    seen: dict[str, Delivery] = {}
+    for delivery in deliveries:
+        seen.setdefault(delivery.task_id, delivery)
+    return list(seen.values())
+
+
+def failed_result(request: Request, exc: BaseException, model: str) -> Result:
+    return Result(
+        id=request.id,
+        custom_id=request.custom_id,
+        job_id=request.job_id,
+        status="failed",
+        model=model,
+        modality=request.modality,
+        error=error_record(exc),
+    )
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def result_settlement(item: Work, result: Result) -> Settlement:
+    """What an engine answered, with the fleet's timings and counts."""
+    record = result.model_dump(mode="json")
+    record["timings"] = {
+        **record.get("timings", {}),
+        "queued_at": _float(item.status.get("queued_at")),
+        "started_at": _float(item.status.get("started_at")),
+        "finished_at": time.time(),
+    }
+    record["attempts"] = item.attempts
+    record["deliveries"] = item.delivery.deliveries
+    state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
+    error = result.error or {}
+    fields = {
+        "finished_at": f"{time.time():.6f}",
+        "batch_id": result.batch_id,
+        "error_code": error.get("code"),
+        "error_message": error.get("message"),
+    }
+    return Settlement(record, state, fields)
+
+
+def failure_settlement(
+    item: Work, error: PermanentError, state: TaskState, worker: str, model: str
+) -> Settlement:
+    """A task that ends before any engine sees it (invalid, expired, dead-lettered)."""
+    request = item.request
+    record: dict[str, Any] = {
+        "id": item.task_id,
+        "custom_id": request.custom_id if request else None,
+        "job_id": item.job_id,
+        "status": "failed",
+        "model": model,
+        "error": error.to_dict(),
+        "worker": worker,
+        "attempts": item.attempts,
+        "deliveries": item.delivery.deliveries,
+    }
+    fields = {
+        "finished_at": f"{time.time():.6f}",
+        "error_code": error.code,
+        "error_message": error.message,
+    }
+    return Settlement(record, state, fields)

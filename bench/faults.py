@@ -18,11 +18,29 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, replace_section
-from vlmq.workers.testing.faults import scenarios
-from vlmq.workers.testing.faults.harness import Harness
+from vlmq.workers.testing.faults import scenarios, worker_core
+from vlmq.workers.testing.faults.harness import Harness, faketime_library
 
-FULL = {"kill_tasks": 2000, "kills": 5, "redis_tasks": 1000, "s3_tasks": 600, "outage_s": 30.0}
-QUICK = {"kill_tasks": 240, "kills": 2, "redis_tasks": 200, "s3_tasks": 150, "outage_s": 6.0}
+FULL = {
+    "kill_tasks": 2000,
+    "kills": 5,
+    "redis_tasks": 1000,
+    "s3_tasks": 600,
+    "outage_s": 30.0,
+    "skew_tasks": 600,
+    "full_tasks": 2000,
+    "full_s": 20.0,
+}
+QUICK = {
+    "kill_tasks": 240,
+    "kills": 2,
+    "redis_tasks": 200,
+    "s3_tasks": 150,
+    "outage_s": 6.0,
+    "skew_tasks": 200,
+    "full_tasks": 300,
+    "full_s": 4.0,
+}
 
 
 def _run(
@@ -64,7 +82,41 @@ def run(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
         ),
         "6. SIGTERM during a batch": _run("sigterm", scenarios.sigterm_mid_batch),
         "7. same task published 3 times": _run("dup", scenarios.double_publish),
+        **worker_core_runs(sizes),
     }
+
+
+def worker_core_runs(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The worker core's faults (issue 10): skew, fencing, duplicates, input, Redis, limits."""
+    runs: dict[str, dict[str, Any]] = {}
+    if faketime_library() is not None:
+        runs["8. clocks 20 s ahead and behind, lease 6 s"] = _run(
+            "skew", lambda h: worker_core.clock_skew(h, sizes["skew_tasks"])
+        )
+    runs |= {
+        "9. a holder cut off from Redis past its lease": _run(
+            "cut-off", worker_core.cut_off_holder
+        ),
+        "10. one message in two classes' queues": _run(
+            "two-queues", worker_core.duplicates_in_two_queues
+        ),
+        "11. malformed messages from any producer": _run(
+            "malformed", worker_core.malformed_messages
+        ),
+        "12. Redis at maxmemory (noeviction), then room": _run(
+            "full", lambda h: worker_core.redis_full(h, sizes["full_tasks"], sizes["full_s"])
+        ),
+        "13. Redis read-only for 3 s": _run("read-only", worker_core.redis_read_only),
+        "14. a bug in settling (injected once)": _run("settle", worker_core.settle_errors),
+        "15. 4 suspects of 1 s each, limit 2.5 s per call": _run(
+            "time-limit", worker_core.time_limit_per_engine_call
+        ),
+        "16. a webhook sender killed mid-delivery": _run(
+            "webhook", worker_core.webhook_sender_dies
+        ),
+        "17. a bug in the heartbeat (injected)": _run("heartbeat", worker_core.heartbeat_error),
+    }
+    return runs
 
 
 def _table(results: dict[str, dict[str, Any]], command: str) -> str:

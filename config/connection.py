@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.retry import Retry
 
 from vlmq.config.settings import Settings
 
-__all__ = ["create_redis"]
+__all__ = ["TRANSIENT_REDIS_ERRORS", "create_redis"]
+
+# Replies that say "not now" rather than "never": unreachable or timed out (ConnectionError
+# includes BusyLoadingError, a Redis still loading its data), a replica not yet promoted
+# (READONLY), and a Redis over maxmemory (OOM). Callers back off and retry them.
+TRANSIENT_REDIS_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ReadOnlyError,
+    OutOfMemoryError,
+)
 
 
 def create_redis(settings: Settings, *, timeout_s: float | None = None) -> redis.Redis:

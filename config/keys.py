@@ -93,8 +93,9 @@ class Keys:
         """List of job-finished events waiting for their webhook."""
         return f"{self.prefix}:events"
 
-    def events_processing(self) -> str:
-        return f"{self.prefix}:events:processing"
+    def events_leased(self) -> str:
+        """Sorted set job id -> lease deadline of events a webhook sender is delivering."""
+        return f"{self.prefix}:events:leased"
 
     # the HTTP API's OpenAI objects -----------------------------------------
     def file(self, file_id: str) -> str:

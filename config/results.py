@@ -2,12 +2,13 @@
 
 Chosen by URL: ``s3://bucket/prefix`` (boto3; any S3-compatible endpoint via
 ``endpoint_url``) or ``file:///dir`` / ``file://./dir`` for the embedded
-default. Keys are deterministic, so a redelivered task overwrites its own
-object instead of creating a second one. Workers write; producers read.
+default. Keys are per delivery (``result_key``), so objects are written once and
+never overwritten; readers follow the task's status. Workers write; producers read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -21,8 +22,11 @@ from vlmq.config.errors import ConfigError, StoreUnavailable
 __all__ = ["FileStore", "ResultStore", "S3Store", "open_store", "result_key"]
 
 
-def result_key(task_id: str, job_id: str | None = None) -> str:
-    return f"{job_id or '_tasks'}/{task_id}.json"
+def result_key(task_id: str, job_id: str | None, delivery: int) -> str:
+    """Where one delivery of a task writes its result. Each delivery has its own object, so a
+    superseded holder never overwrites the winner's; the task's status hash points at the
+    winner (``result_url``)."""
+    return f"{job_id or '_tasks'}/{task_id}.{delivery}.json"
 
 
 class ResultStore(ABC):
@@ -40,6 +44,10 @@ class ResultStore(ABC):
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object; a missing one is not an error."""
 
     @abstractmethod
     def keys(self, prefix: str = "") -> list[str]: ...
@@ -83,24 +91,26 @@ class FileStore(ResultStore):
         return path
 
     def put(self, key: str, record: dict[str, Any]) -> str:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename: a reader never sees half an object.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(_encode(record))
-        os.replace(tmp, path)
-        return f"{self.url}/{key}"
+        return self.put_blob(key, _encode(record), "application/json")
 
     def put_blob(
         self, key: str, data: bytes, content_type: str = "application/octet-stream"
     ) -> str:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Write then rename: a reader never sees half an object.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as exc:  # a full or read-only disk: retried like an unreachable S3
+            raise StoreUnavailable("the results folder could not be written") from exc
         return f"{self.url}/{key}"
 
     def get_blob(self, key: str) -> bytes | None:
@@ -116,6 +126,12 @@ class FileStore(ResultStore):
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreUnavailable("the results folder could not be written") from exc
 
     def keys(self, prefix: str = "") -> list[str]:
         base = self.root / prefix if prefix else self.root
@@ -211,6 +227,14 @@ class S3Store(ResultStore):
         except ClientError:
             return False
         return True
+
+    def delete(self, key: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._full(key))
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store did not accept the delete") from exc
 
     def keys(self, prefix: str = "") -> list[str]:
         paginator = self.client.get_paginator("list_objects_v2")

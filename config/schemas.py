@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "TASK_ID_PATTERN",
     "FinishReason",
     "GenerationParams",
     "ImagePart",
@@ -45,6 +46,11 @@ class Modality(str, Enum):
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
+
+
+# A task id names Redis keys and store objects: plain characters only. The pull script
+# (config/scripts.lua, plain()) applies the same rule to ids it reads from raw messages.
+TASK_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 
 
 def new_task_id() -> str:
@@ -162,7 +168,7 @@ class Request(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: str = Field(default_factory=new_task_id, min_length=1, max_length=128)
+    id: str = Field(default_factory=new_task_id, pattern=TASK_ID_PATTERN)
     custom_id: str | None = Field(None, max_length=512)
     job_id: str | None = Field(None, max_length=128)
     messages: list[Message] = Field(min_length=1)
@@ -175,7 +181,10 @@ class Request(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        generation = dict(data.get("generation") or {})
+        generation = data.get("generation") or {}
+        if not isinstance(generation, dict):
+            raise ValueError("generation must be an object")
+        generation = dict(generation)
         if "max_tokens" in data and "max_new_tokens" not in data:
             data["max_new_tokens"] = data.pop("max_tokens")
         for key in GENERATION_FIELDS:

@@ -73,7 +73,7 @@ EXIT_INJECTED_CRASH = 86
 
 
 class FaultInjection(BaseModel):
-    """Testing only: deterministic faults, so the GPU failure paths run on CPU."""
+    """Testing only: deterministic faults, so the GPU and fleet failure paths run on CPU."""
 
     # Raise an out-of-memory error for any micro-batch larger than this.
     oom_above_batch: int | None = None
@@ -83,6 +83,10 @@ class FaultInjection(BaseModel):
     # Exit the worker process abruptly (as a segfault or an OOM kill would)
     # when a batch holds a request whose text contains this marker.
     crash_marker: str | None = None
+    # The first N settles of a worker raise an unexpected error (a bug in settling).
+    settle_errors: int = Field(0, ge=0)
+    # The worker's Nth heartbeat raises an unexpected error (a bug in the renewal thread).
+    heartbeat_error_at: int | None = Field(None, ge=1)
 
 
 class EngineSettings(BaseModel):
@@ -124,11 +128,19 @@ class FleetSettings(BaseModel):
     # lease_s + reap_interval_s.
     lease_s: float = Field(30.0, gt=1)
     reap_interval_s: float = Field(5.0, gt=0)
-    # Delivered this many times without finishing: dead-lettered, not run again.
+    # Handed to an engine this many times without finishing: dead-lettered, not run again.
     max_deliveries: int = Field(3, ge=1)
-    # A batch running longer than this is stuck: the worker exits and its
-    # messages are redelivered.
+    # Delivered this many times without ever starting (each holder died before it ran, or
+    # handling the message itself killed it): dead-lettered before it is even decoded.
+    max_unstarted_deliveries: int = Field(10, ge=2)
+    # A message larger than this fails as invalid_request without being parsed.
+    max_message_bytes: int = Field(64 * MiB, ge=1024)
+    # One engine call running longer than this is stuck: the worker exits and its messages
+    # are redelivered. (Per call: a batch's suspect re-runs each get their own.)
     batch_time_limit_s: float = Field(900.0, gt=0)
+    # Before a request that ran before runs alone, the results of its batch-mates are
+    # settled; past this the suspect runs anyway (a stuck store must not stall the worker).
+    suspect_drain_timeout_s: float = Field(60.0, gt=0)
     upload_threads: int = Field(8, ge=1)
     # Longest pause between retries of a result upload while the store is down.
     store_retry_max_s: float = Field(10.0, gt=0)
@@ -158,13 +170,22 @@ class ApiSettings(BaseModel):
     rate_limit_burst: int = 100
     # Refuse new work with 429 once this many tasks wait in a class's queues.
     max_queue_depth: int = 1_000_000
+    # Refuse new work with 429 once Redis uses this share of its maxmemory (when one is set):
+    # a full Redis refuses writes, and the fleet must keep the room it needs to drain.
+    max_memory_share: float = Field(0.9, gt=0, le=1)
     max_file_bytes: int = 512 * MiB  # POST /v1/files
 
 
 class WebhookSettings(BaseModel):
-    secret: str = ""  # HMAC-SHA256 key for the X-Vlmq-Signature header
+    # HMAC-SHA256 key for the X-Vlmq-Signature header. Required to send webhooks: without it
+    # a job's webhook is not sent (webhook_status says why), since an unsigned webhook
+    # cannot be told from a forged one.
+    secret: str = ""
     max_attempts: int = Field(6, ge=1)
     timeout_s: float = 10.0
+    # A sender holds an event under this lease, renewed before each attempt; if the sender
+    # dies, another worker delivers the event once the lease runs out.
+    lease_s: float = Field(120.0, gt=0)
     # Webhooks go to arbitrary URLs: loopback/private targets only when allowed.
     allow_private_addresses: bool = False
 

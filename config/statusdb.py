@@ -1,101 +1,52 @@
 """Task and job status in Redis: one hash per task, one per bulk job.
 
-Writes that change state go through one Lua script, so the task's state and its job's counters
-change together and only forward (``config/status.py`` holds the table). Reads of many tasks
-are one pipelined round trip. The connection decodes replies to ``str``
-(``config/connection.py``).
+Writes that change state go through the ``transition`` command of ``scripts.lua``, so a task's
+state and its job's counters change together and only forward (``config/status.py`` holds the
+table), on Redis's clock. Reads of many tasks are one pipelined round trip. The connection
+decodes replies to ``str`` (``config/connection.py``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 import redis as redis_py
 
 from vlmq.config.keys import Keys
+from vlmq.config.scripts import Scripts
 from vlmq.config.status import JobStatus, TaskState, sources_of
 
-__all__ = ["StatusDB"]
+__all__ = ["Move", "StatusDB", "encode_move"]
 
-# Shared Lua: a sealed job (submission complete) whose every task is terminal is finished once:
-# finished_at is set and an event queued for its webhook.
-_FINISH_CHECK = """
-local function finish_check(jobkey, job, now, events)
-  local f = redis.call('HMGET', jobkey, 'sealed', 'total', 'succeeded', 'failed',
-                       'cancelled', 'expired', 'finished_at')
-  if f[1] ~= '1' or f[7] then return end
-  local done = (tonumber(f[3]) or 0) + (tonumber(f[4]) or 0)
-             + (tonumber(f[5]) or 0) + (tonumber(f[6]) or 0)
-  if done >= (tonumber(f[2]) or 0) then
-    redis.call('HSET', jobkey, 'finished_at', now)
-    redis.call('LPUSH', events, job)
-  end
-end
-"""
 
-# One task's move: allowed from-states ("," separated, "-" = absent); job counters and the
-# job's finish check in the same step. ``jobprefix`` is ``Keys.job_prefix``: the task hash names
-# its job by id. Returns {previous, 1|0}.
-_MOVE = """
-local function move(key, new, jobprefix, allowed_from, now, events, fields)
-  local current = redis.call('HGET', key, 'state') or ''
-  local allowed = false
-  for from in string.gmatch(allowed_from, '([^,]+)') do
-    if (from == '-' and current == '') or from == current then allowed = true end
-  end
-  if not allowed then return {current, 0} end
-  if #fields > 0 then redis.call('HSET', key, unpack(fields)) end
-  redis.call('HSET', key, 'state', new)
-  local job = redis.call('HGET', key, 'job_id')
-  if job and job ~= '' and current ~= new
-     and redis.call('HGET', key, 'superseded') ~= '1' then
-    local jobkey = jobprefix .. job
-    if current ~= '' then redis.call('HINCRBY', jobkey, current, -1) end
-    redis.call('HINCRBY', jobkey, new, 1)
-    finish_check(jobkey, job, now, events)
-  end
-  return {current, 1}
-end
-"""
+@dataclass(frozen=True)
+class Move:
+    """One task's state change; ``token`` fences it to the delivery that holds the task
+    (``None``: unfenced, a producer's cancel), ``stamp`` names a field set to Redis's time."""
 
-# Many tasks in one call (a batch's start or finish, a page of a job's cancel).
-# KEYS[1] events list, KEYS[2..] task hashes. ARGV[1] job key prefix, ARGV[2] now, then per
-# task: new state, allowed from-states, number of field/value pairs, the pairs.
-_TRANSITION_MANY = (
-    _FINISH_CHECK
-    + _MOVE
-    + """
-local replies = {}
-local at = 3
-for i = 2, #KEYS do
-  local new, allowed, n = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
-  local fields = {}
-  for j = 1, 2 * n do fields[j] = ARGV[at + 2 + j] end
-  at = at + 3 + 2 * n
-  replies[i - 1] = move(KEYS[i], new, ARGV[1], allowed, ARGV[2], KEYS[1], fields)
-end
-return replies
-"""
-)
-
-# KEYS[1] job hash, KEYS[2] events list; ARGV[1] job id, ARGV[2] now, ARGV[3] lines.
-_SEAL = (
-    _FINISH_CHECK
-    + """
-redis.call('HSET', KEYS[1], 'sealed', '1', 'lines', ARGV[3])
-finish_check(KEYS[1], ARGV[1], ARGV[2], KEYS[2])
-return 1
-"""
-)
-
-Move = tuple[str, TaskState, Mapping[str, Any]]
+    task_id: str
+    state: TaskState
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    token: int | None = None
+    stamp: str | None = None
+    count_attempt: bool = False  # the task is handed to an engine: attempts + 1 if it moves
 
 
 def _allowed_from(states: Iterable[TaskState | None]) -> str:
     return ",".join("-" if s is None else s.value for s in states)
+
+
+def encode_move(move: Move, only_from: Iterable[TaskState] | None = None) -> list[Any]:
+    """A move as ``scripts.lua``'s ``read_move`` takes it from ARGV."""
+    allowed = _allowed_from(only_from if only_from is not None else sources_of(move.state))
+    pairs = [x for k, v in move.fields.items() for x in (k, _as_text(v))]
+    token = "" if move.token is None else str(move.token)
+    attempt = "1" if move.count_attempt else "0"
+    return [move.state.value, allowed, token, move.stamp or "", attempt, len(pairs) // 2, *pairs]
 
 
 def _now() -> str:
@@ -113,8 +64,7 @@ class StatusDB:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
-        self._transition_many = redis.register_script(_TRANSITION_MANY)
-        self._seal = redis.register_script(_SEAL)
+        self.scripts = Scripts(redis)
 
     # writes --------------------------------------------------------------
     def queue_task_fields(self, fields: Mapping[str, Any]) -> dict[str, str]:
@@ -152,36 +102,27 @@ class StatusDB:
 
         ``only_from`` narrows the states it may leave (cancel: queued only).
         """
-        moves = [(task_id, new_state, fields or {})]
-        return self.transition_many(moves, only_from=only_from)[0]
+        move = Move(task_id, new_state, fields or {}, stamp="finished_at")
+        return self.transition_many([move], only_from=only_from)[0]
 
     def transition_many(
-        self,
-        moves: Sequence[Move],
-        pipe: Any = None,
-        only_from: Iterable[TaskState] | None = None,
+        self, moves: Sequence[Move], only_from: Iterable[TaskState] | None = None
     ) -> list[tuple[str, bool]]:
-        """Move many tasks forward in one script call: (task id, state, fields).
+        """Move many tasks forward in one script call; (previous state, moved) per task."""
+        return [(previous, moved) for previous, moved, _ in self.fenced_moves(moves, only_from)]
 
-        Inside the caller's ``pipe`` the replies arrive with its ``execute()``
-        (:meth:`moved` reads them); without one they are returned.
-        """
+    def fenced_moves(
+        self, moves: Sequence[Move], only_from: Iterable[TaskState] | None = None
+    ) -> list[tuple[str, bool, bool]]:
+        """As ``transition_many``, with whether each move's token still held its task."""
         if not moves:
             return []
-        narrowed = None if only_from is None else _allowed_from(only_from)
-        argv: list[Any] = [self.keys.job_prefix, _now()]
-        for _, state, fields in moves:
-            pairs = [x for k, v in fields.items() for x in (k, _as_text(v))]
-            allowed = narrowed or _allowed_from(sources_of(state))
-            argv += [state.value, allowed, len(pairs) // 2, *pairs]
-        keys = [self.keys.events(), *(self.keys.task(task_id) for task_id, _, _ in moves)]
-        reply = self._transition_many(keys=keys, args=argv, client=pipe or self.redis)
-        return [] if pipe is not None else self.moved(reply)
-
-    @staticmethod
-    def moved(reply: Sequence[Any]) -> list[tuple[str, bool]]:
-        """(previous state, moved) per task of a ``transition_many`` reply."""
-        return [(str(previous), bool(int(moved))) for previous, moved in reply]
+        argv: list[Any] = [self.keys.job_prefix]
+        for move in moves:
+            argv += encode_move(move, only_from)
+        keys = [self.keys.events(), *(self.keys.task(m.task_id) for m in moves)]
+        reply = self.scripts("transition", keys, argv)
+        return [(str(r[0]), bool(int(r[1])), bool(int(r[2]))) for r in reply]
 
     def finish_queued(
         self,
@@ -194,7 +135,7 @@ class StatusDB:
         many moved. Tasks already running or finished are left alone."""
         moved = 0
         for ids in _pages(self.job_task_ids(job_id, page), page):
-            moves = [(task_id, state, fields) for task_id in ids]
+            moves = [Move(task_id, state, fields, stamp="finished_at") for task_id in ids]
             replies = self.transition_many(moves, only_from=[TaskState.QUEUED])
             moved += sum(1 for _, done in replies if done)
         return moved
@@ -206,26 +147,14 @@ class StatusDB:
         expires_in_s: float | None = None,
         webhook_url: str | None = None,
     ) -> None:
-        """Create (or reopen, for a resubmission) a job; unsealed until submitted."""
-        key = self.keys.job(job_id)
-        now = time.time()
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(key, "created_at", f"{now:.6f}")
-        pipe.hset(key, mapping={"job_id": job_id, "sealed": "0"})
-        pipe.hdel(key, "finished_at")
-        if name:
-            pipe.hset(key, "name", name)
-        if webhook_url:
-            pipe.hset(key, "webhook_url", webhook_url)
-        if expires_in_s:
-            pipe.hsetnx(key, "expires_at", f"{now + expires_in_s:.3f}")
-            pipe.zadd(self.keys.job_expiry(), {job_id: now + expires_in_s}, nx=True)
-        pipe.expire(key, self.ttl_s)
-        pipe.execute()
+        """Create (or reopen, for a resubmission) a job; unsealed until submitted. The
+        completion window starts at the first submission, on Redis's clock."""
+        args = [job_id, name or "", webhook_url or "", expires_in_s or "", self.ttl_s]
+        self.scripts("open_job", [self.keys.job(job_id), self.keys.job_expiry()], args)
 
     def seal_job(self, job_id: str, lines: int = 0) -> None:
         """Submission complete: the job may now finish."""
-        self._seal(keys=[self.keys.job(job_id), self.keys.events()], args=[job_id, _now(), lines])
+        self.scripts("seal", [self.keys.job(job_id), self.keys.events()], [job_id, lines])
 
     def request_cancel(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "cancel_requested", "1")

@@ -120,8 +120,10 @@ def _parse_expires(value: Any) -> datetime | None:
     if not value:
         return None
     try:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return datetime.fromtimestamp(value, tz=timezone.utc)  # an epoch from some producer
         parsed = datetime.fromisoformat(str(value))
-    except ValueError as exc:
+    except (ValueError, OverflowError, OSError) as exc:
         raise WireError("expires: not an ISO 8601 time") from exc
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
@@ -130,8 +132,9 @@ def _body(message: dict[str, Any]) -> Any:
     if message.get("content-type") != "application/json":
         raise WireError("only application/json messages are accepted")
     body = message.get("body", "")
-    if message.get("properties", {}).get("body_encoding") == "base64":
-        body = base64.b64decode(body)
+    properties = message.get("properties")
+    if isinstance(properties, dict) and properties.get("body_encoding") == "base64":
+        body = base64.b64decode(body, validate=True)
     return json.loads(body)
 
 
@@ -147,20 +150,33 @@ def _request_of(body: Any) -> dict[str, Any]:
     return request
 
 
+def _priority(properties: Any) -> int:
+    """kombu's priority, clamped to 0-9 (absent: 0)."""
+    value = properties.get("priority") if isinstance(properties, dict) else None
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise WireError("properties.priority: not a number")
+    return int(max(0, min(value, 9)))
+
+
 def decode_message(raw: str | bytes) -> TaskMessage:
-    """Parse a raw list entry; never unpickles anything."""
+    """Parse a raw list entry; never unpickles anything. Whatever the entry holds, the only
+    exception is WireError."""
     try:
         message = json.loads(raw)
         headers = message["headers"]
-        task_id = str(headers["id"])
+        task_id = headers["id"]
         body = _body(message)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
         raise WireError("not a JSON Celery protocol-2 message") from exc
+    if not isinstance(task_id, str):
+        raise WireError("headers.id: not a string")
     return TaskMessage(
         task_id=task_id,
         task_name=str(headers.get("task", "")),
         request=_request_of(body),
         expires=_parse_expires(headers.get("expires")),
-        priority=int(message.get("properties", {}).get("priority") or 0),
-        raw=raw if isinstance(raw, str) else raw.decode(),
+        priority=_priority(message.get("properties")),
+        raw=raw if isinstance(raw, str) else raw.decode(errors="replace"),
     )

@@ -23,7 +23,7 @@ from typing import Any
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
 from vlmq.config.schemas import Request, new_task_id
 from vlmq.config.status import TaskState
-from vlmq.producers.client import Client, expiry_after
+from vlmq.producers.client import Client
 
 __all__ = ["SubmitReport", "submit_jsonl"]
 
@@ -98,7 +98,7 @@ class _ChunkWriter:
                 self._supersede(pipe, *previous)
             fresh.append(request)
         if fresh:
-            self.client.enqueue(pipe, fresh, self.lane, expiry_after(self.expires_in_s))
+            self.client.enqueue(pipe, fresh, self.lane, self.client.expiry_after(self.expires_in_s))
             mapping = {str(r.custom_id): f"{r.id}:{self.submission}" for r in fresh}
             pipe.hset(self.keys.job_custom_ids(self.job_id), mapping=mapping)  # type: ignore[arg-type]
             pipe.rpush(self.keys.job_tasks(self.job_id), *[r.id for r in fresh])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from itertools import islice
 from typing import Any
 
@@ -31,7 +31,7 @@ from vlmq.config.status import TERMINAL, TaskState
 from vlmq.config.statusdb import StatusDB
 from vlmq.config.wire import encode_message, list_for_priority
 
-__all__ = ["Client", "as_request", "expiry_after"]
+__all__ = ["Client", "as_request"]
 
 _TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
 
@@ -125,7 +125,7 @@ class Client:
         """Validate and enqueue one conversation; returns its task id."""
         request = as_request(conversation, **fields)
         self._refuse_known_ids([request])
-        expires = expiry_after(expires_in_s)
+        expires = self.expiry_after(expires_in_s)
         pipe = self.redis.pipeline(transaction=True)
         self.enqueue(pipe, [request], lane, expires)
         pipe.execute()
@@ -150,7 +150,7 @@ class Client:
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
         self._refuse_known_ids(requests)
         self.open_job(job_id, name=name, expires_in_s=expires_in_s)
-        expires = expiry_after(expires_in_s)
+        expires = self.expiry_after(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
             pipe = self.redis.pipeline(transaction=True)
             self.enqueue(pipe, batch, lane, expires)
@@ -172,6 +172,14 @@ class Client:
                     raise InvalidRequest(
                         f"item {start + index}: task id {window[index].id[:64]!r} already exists"
                     )
+
+    def expiry_after(self, expires_in_s: float | None) -> datetime | None:
+        """The absolute expiry of a task enqueued now, on Redis's clock (the one every
+        deadline is judged by), or None for no expiry."""
+        if not expires_in_s:
+            return None
+        seconds, micros = self.redis.time()
+        return datetime.fromtimestamp(seconds + micros / 1e6 + expires_in_s, tz=timezone.utc)
 
     def open_job(
         self,
@@ -227,13 +235,6 @@ def _validated(item: Any, index: int, job_id: str) -> Request:
         return as_request(item, job_id=job_id)
     except InvalidRequest as exc:
         raise InvalidRequest(f"item {index}: {exc.message}") from None
-
-
-def expiry_after(expires_in_s: float | None) -> datetime | None:
-    """The absolute expiry of a task enqueued now, or None for no expiry."""
-    if not expires_in_s:
-        return None
-    return datetime.now(timezone.utc) + timedelta(seconds=expires_in_s)
 
 
 def _chunked(items: Iterator[Any], size: int) -> Iterator[list[Any]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from vlmq.config.settings import Settings
-from vlmq.producers.api.limits import RateLimiter
+from vlmq.producers.api.limits import MemoryGauge, RateLimiter
 from vlmq.producers.api.metrics import Metrics
 from vlmq.producers.client import Client
 
@@ -20,6 +20,7 @@ class ApiContext:
     client: Client
     limiter: RateLimiter
     metrics: Metrics = field(default_factory=Metrics)
+    memory: MemoryGauge = field(default_factory=MemoryGauge)
 
 
 def context(request: Request) -> ApiContext:

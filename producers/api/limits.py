@@ -1,4 +1,5 @@
-"""Rate limiting: a token bucket per caller (the bounded-queue check is ``queues.py``).
+"""Rate limiting (a token bucket per caller) and Redis's memory headroom, as the API reads
+them before taking work (the bounded-queue check itself is ``queues.py``).
 
 The bucket lives in the API process: with several API processes each allows
 ``rate_limit_per_s``; a shared limiter belongs in front of them (a proxy).
@@ -10,8 +11,11 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
-__all__ = ["RateLimiter"]
+from redis import Redis
+
+__all__ = ["MemoryGauge", "RateLimiter"]
 
 
 class RateLimiter:
@@ -43,3 +47,24 @@ class RateLimiter:
             while len(self._buckets) > self._max_callers:
                 self._buckets.popitem(last=False)
             return wait
+
+
+class MemoryGauge:
+    """Redis's used share of maxmemory (0 when none is set), cached for ``ttl_s``."""
+
+    def __init__(self, ttl_s: float = 1.0) -> None:
+        self.ttl_s = ttl_s
+        self._read_at = float("-inf")
+        self._share = 0.0
+        self._lock = threading.Lock()
+
+    def share(self, redis: Redis) -> float:
+        with self._lock:
+            if time.monotonic() - self._read_at < self.ttl_s:
+                return self._share
+        info: dict[str, Any] = redis.info("memory")
+        limit = int(info.get("maxmemory") or 0)
+        share = int(info.get("used_memory") or 0) / limit if limit else 0.0
+        with self._lock:
+            self._share, self._read_at = share, time.monotonic()
+        return share

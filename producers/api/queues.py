@@ -1,7 +1,9 @@
-"""The bounded queue: refuse new work once a class's queues are full.
+"""The bounded queue: refuse new work once a class's queues are full, or Redis nearly is.
 
 Without this a producer faster than the fleet grows Redis until it runs out
-of memory; a 429 with Retry-After pushes the backlog back to the caller.
+of memory; a 429 with Retry-After pushes the backlog back to the caller. Depth alone
+is not enough (a few large messages, or other data, fill Redis too), so the share of
+``maxmemory`` in use is checked as well, from ``INFO memory`` read at most once a second.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ RETRY_FULL_S = 5
 
 
 def check_capacity(ctx: ApiContext, wanted: Mapping[str, int]) -> None:
-    """Raise 429 ``queue_full`` unless every class can take its new tasks."""
+    """Raise 429 ``queue_full`` unless every class can take its new tasks, and 429
+    ``broker_full`` while Redis is past its share of maxmemory."""
+    share = ctx.memory.share(ctx.client.redis)
+    if share >= ctx.settings.api.max_memory_share:
+        raise ApiError(
+            429,
+            "broker_full",
+            f"the queue's Redis is {share:.0%} full; retry later",
+            {"Retry-After": str(RETRY_FULL_S)},
+        )
     limit = ctx.settings.api.max_queue_depth
     depths = queue_depth(ctx.client.redis, ctx.client.keys, wanted)
     for modality, extra in wanted.items():

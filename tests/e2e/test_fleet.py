@@ -6,7 +6,6 @@ import json
 import signal
 
 from vlmq.config.keys import Keys
-from vlmq.config.results import result_key
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
 from vlmq.workers.testing.samples import save_image, save_video
@@ -29,6 +28,12 @@ def _client(env: dict[str, str]) -> Client:
 
 def _ready(client: Client, count: int) -> bool:
     return client.redis.hlen(Keys().workers()) >= count
+
+
+def _pointed(client: Client, ids: list[str]) -> list[str]:
+    """The store key each task's status points at (its winning delivery's object)."""
+    urls = [s["result_url"] for s in client.status_db.tasks(ids, ("result_url",))]
+    return [client.store.key_of(url) for url in urls]
 
 
 def _job_finished(client: Client, job: str) -> bool:
@@ -76,7 +81,7 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
     assert status["counts"]["succeeded"] == 13 and status["counts"]["failed"] == 1
     ids = list(client.job_task_ids(job))
     keys = client.store.keys(job)
-    assert sorted(keys) == sorted(result_key(i, job) for i in ids)
+    assert sorted(keys) == sorted(_pointed(client, ids))
     for task_id in ids:
         record = client.result(task_id)
         modality = record["modality"]
@@ -135,7 +140,7 @@ def test_kill9_mid_batch_loses_nothing_and_duplicates_nothing(fleet, fleet_env):
         "cancelled": 0,
         "expired": 0,
     }
-    assert sorted(client.store.keys(job)) == sorted(result_key(i, job) for i in ids)
+    assert sorted(client.store.keys(job)) == sorted(_pointed(client, ids))  # one object each
     attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
     assert max(attempts) >= 2  # the killed batches ran again
     assert client.redis.hlen(Keys().inflight()) == 0

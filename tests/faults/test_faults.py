@@ -24,7 +24,8 @@ def _no_loss(figures, tasks):
     assert figures["terminal"] == tasks
     assert figures["succeeded"] == tasks
     assert figures["result_objects"] == tasks
-    assert figures["lost"] == 0 and figures["duplicate_objects"] == 0
+    assert figures["lost"] == 0 and figures["disagreeing"] == 0
+    assert figures["orphan_objects"] == 0
 
 
 def test_kill_storm(harness):

@@ -177,13 +177,14 @@ def test_webhooks_to_private_addresses_are_refused_by_default(settings, receiver
     url, received = receiver
     client = Client(settings)
     submit_jsonl(client, [_line(0)], "job-p", webhook_url=url)
-    hooks = WebhookSettings(max_attempts=1)
+    hooks = WebhookSettings(secret="s3cret", max_attempts=1)
     with Running(make_loop(settings, RecordingEngine(), reap_interval_s=0.05, webhooks=hooks)):
         wait_until(
             lambda: client.redis.hget(Keys().job("job-p"), "webhook_status"),
             what="delivery given up",
         )
     assert received == []
+    assert client.redis.hget(Keys().job("job-p"), "webhook_status") == "failed"
 
 
 def test_interactive_requests_overtake_a_bulk_backlog(settings):

@@ -14,6 +14,7 @@ from vlmq.config.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
 from vlmq.config.schemas import Request, Result
+from vlmq.config.scripts import Scripts
 from vlmq.config.status import TaskState
 from vlmq.config.wire import decode_message
 from vlmq.producers.client import Client
@@ -89,6 +90,11 @@ class Running:
         self.loop.stop()
         self.thread.join(10)
         self.loop.shutdown(10)
+
+
+def _intake_and_leases(client: Client) -> tuple[Intake, Leases]:
+    scripts = Scripts(client.redis)
+    return Intake(scripts, Keys(), "text"), Leases(scripts, Keys())
 
 
 def _job_done(client, job_id):
@@ -217,12 +223,12 @@ def test_our_messages_are_valid_celery_messages(settings):
 def test_unacked_messages_of_a_dead_worker_come_back_then_dead_letter(settings):
     client = Client(settings)
     task = client.submit(_conversation("text", 1), lane="bulk")
-    intake, leases = Intake(client.redis, Keys(), "text"), Leases(client.redis, Keys())
+    intake, leases = _intake_and_leases(client)
     for delivery in (1, 2, 3):  # three workers "die" while running it
-        got = wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
-        assert [d.deliveries for d in got] == [delivery]
+        got = wait_until(lambda: intake.pull(8, 0).deliveries, what="redelivery")
+        assert [d.token for d in got] == [delivery]
         client.redis.hincrby(Keys().task(task), "attempts", 1)
-        assert leases.reap(time.time()) == 1
+        assert leases.reap() == 1
     engine = RecordingEngine()
     with Running(make_loop(settings, engine)):
         wait_until(lambda: client.status(task)["state"] == "failed", what="dead letter")
@@ -235,10 +241,10 @@ def test_unacked_messages_of_a_dead_worker_come_back_then_dead_letter(settings):
 def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
     client = Client(settings)
     task = client.submit(_conversation("text", 1), lane="bulk")
-    intake, leases = Intake(client.redis, Keys(), "text"), Leases(client.redis, Keys())
+    intake, leases = _intake_and_leases(client)
     for _ in range(5):  # pulled and lost five times, never handed to an engine
-        wait_until(lambda: intake.pull(8, time.time() - 1), what="redelivery")
-        leases.reap(time.time())
+        wait_until(lambda: intake.pull(8, 0).deliveries, what="redelivery")
+        leases.reap()
     engine = RecordingEngine()
     with Running(make_loop(settings, engine)):
         wait_until(lambda: client.status(task)["state"] == "succeeded", what="success")
@@ -248,10 +254,10 @@ def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
 def test_redelivered_requests_run_alone(settings):
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(6)])
-    intake, leases = Intake(client.redis, Keys(), "text"), Leases(client.redis, Keys())
-    for delivery in intake.pull(3, time.time() - 1):  # three ran on a worker that died
+    intake, leases = _intake_and_leases(client)
+    for delivery in intake.pull(3, 0).deliveries:  # three ran on a worker that died
         client.redis.hincrby(Keys().task(delivery.task_id), "attempts", 1)
-    leases.reap(time.time())
+    leases.reap()
     engine = RecordingEngine()
     with Running(make_loop(settings, engine)):
         wait_until(lambda: _job_done(client, job), what="job")

@@ -36,28 +36,31 @@ class Housekeeper:
         self.leases = leases
         self.webhooks = webhooks
         self.interval_s = interval_s
-        self._last = 0.0
+        self._last = float("-inf")
 
     def tick(self) -> None:
-        """Do the chores if ``interval_s`` passed since the last time."""
-        now = time.time()
+        """Do the chores if ``interval_s`` passed since the last time (this worker's own
+        monotonic clock paces them; every deadline they judge is on Redis's clock)."""
+        now = time.monotonic()
         if now - self._last < self.interval_s:
             return
         self._last = now
-        moved = self.leases.reap(now)
+        moved = self.leases.reap()
         if moved:
             log.warning("requeued %d messages whose worker stopped renewing", moved)
-        self.expire_jobs(now)
+        self.expire_jobs()
         self.webhooks.poll()
 
-    def expire_jobs(self, now: float) -> int:
+    def expire_jobs(self) -> int:
         """Tasks of jobs past their completion window that never started: expired."""
         redis, keys = self.status.redis, self.status.keys
-        due: list[str] = redis.zrangebyscore(keys.job_expiry(), "-inf", now, 0, 10)  # type: ignore[assignment]
+        seconds, micros = redis.time()
+        due: list[str] = redis.zrangebyscore(  # type: ignore[assignment]
+            keys.job_expiry(), "-inf", seconds + micros / 1e6, 0, 10
+        )
         expired = 0
         for job_id in due:
-            fields = {**_EXPIRED, "finished_at": f"{time.time():.6f}"}
-            expired += self.status.finish_queued(job_id, TaskState.EXPIRED, fields)
+            expired += self.status.finish_queued(job_id, TaskState.EXPIRED, _EXPIRED)
             redis.zrem(keys.job_expiry(), job_id)
         return expired
 

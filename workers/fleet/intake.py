@@ -1,142 +1,69 @@
-"""Reliable batched intake from the Celery queue lists, with leases.
+"""Reliable batched intake from the Celery queue lists, with fenced leases on Redis's clock.
 
 Why not kombu's own consumer: it acknowledges a batch even when it fails, and its unacked
 sweep redelivers only after ``visibility_timeout`` plus a slow restore cycle, while it also
 sweeps back messages a live worker merely buffers (see docs/design.md). Here a worker moves up
 to N messages atomically from one class's queue lists into an in-flight hash with a lease it
-keeps renewing while it works (:class:`Intake`); acknowledging removes them. Any worker's reaper
-puts back messages whose lease ran out (their holder died), so a kill -9 is recovered within
-``lease_s + reap_interval_s`` (:class:`Leases`). :class:`Held` is what this worker holds.
+keeps renewing while it works (:class:`Intake`); settling acknowledges them. Any worker's
+reaper puts back messages whose lease ran out (their holder died), so a kill -9 is recovered
+within ``lease_s + reap_interval_s`` (:class:`Leases`). :class:`Held` is what this worker holds.
+
+Every deadline is computed inside Redis (``scripts.lua``), and each delivery carries a token
+(the task's delivery count at pull): renew, start, settle and give-back are refused for a
+holder that was superseded, so its result never becomes the task's.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis import Redis
-
 from vlmq.config.keys import Keys
+from vlmq.config.scripts import Scripts
+from vlmq.config.status import TERMINAL
+from vlmq.config.statusdb import Move, encode_move
 from vlmq.config.wire import priority_lists
 
-__all__ = ["Delivery", "Held", "Intake", "Leases"]
-
-# KEYS: inflight hash, leases zset, origin-queue hash, origin-active hash, the class's
-# active-jobs set, then its fixed lists: the interactive lane (priority order), then the plain
-# bulk queue (priority order). ARGV: max count, lease deadline, task key prefix, number of
-# interactive lists.
-# The interactive lane is drained first. The rest is shared round robin, one message per member
-# per round, between the plain bulk queue and every bulk job's own list, so one million-line job
-# cannot starve a second one. A message taken from a job list records the set it belongs to,
-# so a requeue can register the list again.
-_POP = """
-local out = {}
-local limit = tonumber(ARGV[1])
-local function task_id(raw)
-  -- The body is base64, so the only "id" key in clear text is the header's
-  -- (Celery writes headers before properties); decode fully only as a fallback.
-  local id = string.match(raw, '[{,]%s*"id"%s*:%s*"([^"]+)"')
-  if id then return id end
-  local ok, msg = pcall(cjson.decode, raw)
-  if ok and type(msg) == 'table' and type(msg.headers) == 'table' and msg.headers.id then
-    return tostring(msg.headers.id)
-  end
-  return 'invalid-' .. redis.sha1hex(raw)
-end
-local function take(list, active)
-  local raw = redis.call('RPOP', list)
-  if not raw then return false end
-  local id = task_id(raw)
-  redis.call('HSET', KEYS[1], id, raw)
-  redis.call('ZADD', KEYS[2], ARGV[2], id)
-  redis.call('HSET', KEYS[3], id, list)
-  if active then redis.call('HSET', KEYS[4], id, active) end
-  local key = ARGV[3] .. id
-  local n = redis.call('HINCRBY', key, 'deliveries', 1)
-  -- The status fields the worker decides on, saving it a round trip.
-  local status = redis.call('HMGET', key, 'state', 'attempts', 'job_id', 'queued_at',
-                            'expires_at')
-  out[#out + 1] = {id, raw, n, status}
-  return true
-end
-local first = 6 + tonumber(ARGV[4])
-for i = 6, first - 1 do
-  while #out < limit and take(KEYS[i], false) do end
-end
-local plain = {}
-for i = first, #KEYS do plain[#plain + 1] = KEYS[i] end
-local jobs = redis.call('SMEMBERS', KEYS[5])
-local progress = true
-while #out < limit and progress do
-  progress = false
-  for _, list in ipairs(plain) do
-    if take(list, false) then progress = true break end
-  end
-  for _, list in ipairs(jobs) do
-    if #out >= limit then break end
-    if take(list, KEYS[5]) then
-      progress = true
-    elseif redis.call('LLEN', list) == 0 then
-      redis.call('SREM', KEYS[5], list)
-    end
-  end
-end
-return out
-"""
-
-# KEYS: inflight, leases, origin-queue, origin-active. ARGV: ids. Forget acknowledged messages.
-_ACK = """
-for i = 1, #ARGV do
-  redis.call('HDEL', KEYS[1], ARGV[i])
-  redis.call('ZREM', KEYS[2], ARGV[i])
-  redis.call('HDEL', KEYS[3], ARGV[i])
-  redis.call('HDEL', KEYS[4], ARGV[i])
-end
-return #ARGV
-"""
-
-# KEYS: inflight, leases, origin-queue, origin-active. ARGV[1] = max deadline ('+inf' for a
-# requeue of given ids), ARGV[2] = limit, ARGV[3..] = ids (optional).
-# Put messages back at the head of their queue (RPUSH: next to be popped).
-_REQUEUE = """
-local ids
-if #ARGV > 2 then
-  ids = {}
-  for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
-else
-  ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
-end
-local moved = 0
-for _, id in ipairs(ids) do
-  local raw = redis.call('HGET', KEYS[1], id)
-  local queue = redis.call('HGET', KEYS[3], id)
-  if raw and queue then
-    redis.call('RPUSH', queue, raw)
-    local active = redis.call('HGET', KEYS[4], id)
-    if active then redis.call('SADD', active, queue) end
-    moved = moved + 1
-  end
-  redis.call('HDEL', KEYS[1], id)
-  redis.call('HDEL', KEYS[3], id)
-  redis.call('HDEL', KEYS[4], id)
-  redis.call('ZREM', KEYS[2], id)
-end
-return moved
-"""
+__all__ = ["Delivery", "Held", "Intake", "Leases", "Pull", "Settled"]
 
 _STATUS_FIELDS = ("state", "attempts", "job_id", "queued_at", "expires_at")
+_TERMINAL_CSV = ",".join(sorted(s.value for s in TERMINAL))
 
 
 @dataclass(frozen=True)
 class Delivery:
-    """One message taken from a queue, with how many times it was delivered."""
+    """One message taken from a queue; ``token`` is its delivery count, the fence."""
 
     task_id: str
     raw: str
-    deliveries: int
+    token: int
     status: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def deliveries(self) -> int:
+        return self.token
+
+
+@dataclass(frozen=True)
+class Pull:
+    """What one pull took, Redis's time when it did, and the copies it dropped (already
+    finished, or held by a live holder)."""
+
+    deliveries: list[Delivery]
+    now: float
+    dropped: int = 0
+
+
+@dataclass(frozen=True)
+class Settled:
+    """One task's settle: its state before, whether it moved, whether this holder held it."""
+
+    task_id: str
+    previous: str
+    moved: bool
+    held: bool
 
 
 def _status(values: Sequence[str | None]) -> dict[str, str]:
@@ -150,69 +77,106 @@ def _bookkeeping(keys: Keys) -> list[str]:
     return [keys.inflight(), keys.leases(), keys.lease_queue(), keys.lease_active()]
 
 
+def _pairs(held: Mapping[str, int]) -> list[Any]:
+    return [x for task_id, token in held.items() for x in (task_id, token)]
+
+
 class Intake:
     """Pulls one modality class's messages into this worker's leases."""
 
-    def __init__(self, redis: Redis, keys: Keys, modality: str) -> None:
+    def __init__(self, scripts: Scripts, keys: Keys, modality: str) -> None:
         self.modality = modality
         self.keys = keys
+        self.scripts = scripts
         self.first = priority_lists(keys.queue(modality, "interactive"))
         self.lists = [*self.first, *priority_lists(keys.queue(modality, "bulk"))]
-        self._pop = redis.register_script(_POP)
 
-    def pull(self, limit: int, lease_until: float) -> list[Delivery]:
-        """Atomically move up to ``limit`` messages into this worker's hands."""
-        rows: Any = self._pop(
-            keys=[*_bookkeeping(self.keys), self.keys.active_jobs(self.modality), *self.lists],
-            args=[limit, f"{lease_until:.3f}", self.keys.task_prefix, len(self.first)],
-        )
-        return [Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3])) for r in rows]
+    def pull(self, limit: int, lease_s: float) -> Pull:
+        """Atomically move up to ``limit`` messages into this worker's hands, leased for
+        ``lease_s`` seconds of Redis's clock."""
+        keys = [*_bookkeeping(self.keys), self.keys.active_jobs(self.modality), *self.lists]
+        args = [limit, lease_s, self.keys.task_prefix, len(self.first), _TERMINAL_CSV]
+        now, dropped, rows = self.scripts("pull", keys, args)
+        deliveries = [Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3])) for r in rows]
+        return Pull(deliveries, float(now), int(dropped))
 
 
 class Leases:
-    """The in-flight side every class shares: renew, acknowledge, give back, reap."""
+    """The in-flight side every class shares: renew, settle, give back, reap."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
-        self.redis = redis
+    def __init__(self, scripts: Scripts, keys: Keys) -> None:
+        self.scripts = scripts
         self.keys = keys
-        self._ack = redis.register_script(_ACK)
-        self._requeue = redis.register_script(_REQUEUE)
 
-    def ack(self, task_ids: Sequence[str], pipe: Any = None) -> None:
-        if task_ids:
-            self._ack(keys=_bookkeeping(self.keys), args=list(task_ids), client=pipe or self.redis)
+    def renew(self, held: Mapping[str, int], lease_s: float) -> list[str]:
+        """Extend this holder's leases; returns the ids it no longer holds."""
+        if not held:
+            return []
+        args = [lease_s, self.keys.task_prefix, *_pairs(held)]
+        return [str(i) for i in self.scripts("renew", [self.keys.leases()], args)]
 
-    def renew(self, task_ids: Sequence[str], lease_until: float) -> None:
-        """Extend the leases this worker still holds (XX: never resurrect one)."""
-        if task_ids:
-            self.redis.zadd(self.keys.leases(), dict.fromkeys(task_ids, lease_until), xx=True)
+    def settle(self, moves: Sequence[Move]) -> list[Settled]:
+        """Terminal transitions and acknowledgements in one step, fenced by each move's
+        token; runs while Redis is over maxmemory."""
+        if not moves:
+            return []
+        args: list[Any] = [self.keys.job_prefix]
+        for move in moves:
+            args += [move.task_id, *encode_move(move)]
+        keys = [
+            *_bookkeeping(self.keys),
+            self.keys.events(),
+            *(self.keys.task(m.task_id) for m in moves),
+        ]
+        reply = self.scripts("settle", keys, args)
+        return [
+            Settled(m.task_id, str(r[0]), bool(int(r[1])), bool(int(r[2])))
+            for m, r in zip(moves, reply, strict=True)
+        ]
 
-    def requeue(self, task_ids: Sequence[str]) -> int:
-        """Give messages back at once (shutdown, or not started)."""
-        if not task_ids:
+    def ack(self, held: Mapping[str, int]) -> int:
+        """Forget this holder's messages whose tasks ended while they were held."""
+        if not held:
             return 0
-        return int(self._requeue(keys=_bookkeeping(self.keys), args=["+inf", 0, *task_ids]))
+        args = [self.keys.task_prefix, *_pairs(held)]
+        return int(self.scripts("ack", _bookkeeping(self.keys), args))
 
-    def reap(self, now: float, limit: int = 1000) -> int:
-        """Put back messages whose holder stopped renewing their lease."""
-        return int(self._requeue(keys=_bookkeeping(self.keys), args=[f"{now:.3f}", limit]))
+    def give_back(self, held: Mapping[str, int]) -> int:
+        """Return this holder's messages to their queues now (shutdown, or not started)."""
+        if not held:
+            return 0
+        args = [self.keys.task_prefix, *_pairs(held)]
+        return int(self.scripts("give_back", _bookkeeping(self.keys), args))
+
+    def reap(self, limit: int = 1000) -> int:
+        """Put back messages whose holder stopped renewing their lease (by Redis's clock)."""
+        return int(self.scripts("reap", _bookkeeping(self.keys), [limit]))
 
 
 class Held:
-    """The task ids this worker holds leases on (renewed by its heartbeat)."""
+    """The deliveries this worker holds leases on (task id -> token), renewed by its
+    heartbeat until they are settled, given back or found lost."""
 
     def __init__(self) -> None:
-        self._ids: set[str] = set()
+        self._tokens: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add(self, task_ids: Iterable[str]) -> None:
+    def add(self, deliveries: Iterable[Delivery]) -> None:
         with self._lock:
-            self._ids.update(task_ids)
+            self._tokens.update((d.task_id, d.token) for d in deliveries)
 
     def release(self, task_ids: Iterable[str]) -> None:
         with self._lock:
-            self._ids.difference_update(task_ids)
+            for task_id in task_ids:
+                self._tokens.pop(task_id, None)
 
-    def ids(self) -> list[str]:
+    def tokens(self, task_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Held ids and their tokens (all, or those of ``task_ids`` still held)."""
         with self._lock:
-            return list(self._ids)
+            if task_ids is None:
+                return dict(self._tokens)
+            return {i: self._tokens[i] for i in task_ids if i in self._tokens}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tokens)

@@ -19,15 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import redis
-
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.logs import log_context
 from vlmq.config.queues import queue_depth
 from vlmq.config.schemas import Request, Result
 from vlmq.config.settings import BatchPolicy, FleetSettings
 from vlmq.config.statusdb import StatusDB
 from vlmq.workers.fleet.housekeeping import Housekeeper
-from vlmq.workers.fleet.intake import Delivery, Held, Intake, Leases
+from vlmq.workers.fleet.intake import Held, Intake, Leases, Pull
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settler
 from vlmq.workers.fleet.triage import Triage
@@ -81,23 +80,31 @@ class BatchLoop:
         self.engine = parts.engine
         self.modalities = list(parts.intakes)
         self.stop_event = threading.Event()
-        self.batch_started: float | None = None
+        # When the running engine call began (monotonic); None between calls.
+        self.engine_started: float | None = None
         self.batches_done = 0
         self._turn = 0
 
     # heartbeat ---------------------------------------------------------------
-    def lease_deadline(self) -> float:
-        return time.time() + self.fleet.lease_s
-
     def heartbeat(self) -> bool:
-        """Renew leases unless the current batch is stuck; False means give up."""
-        started = self.batch_started
+        """Renew leases unless the running engine call is stuck; False means give up."""
+        started = self.engine_started
         if started is not None and time.monotonic() - started > self.fleet.batch_time_limit_s:
             return False
         parts = self.parts
-        parts.leases.renew(parts.held.ids(), self.lease_deadline())
-        depths = queue_depth(parts.status.redis, parts.status.keys, self.modalities)
-        parts.observer.heartbeat(depths, getattr(self.engine, "stats", None))
+        lost = parts.leases.renew(parts.held.tokens(), self.fleet.lease_s)
+        lost = list(parts.held.tokens(lost))  # not those settled meanwhile
+        if lost:
+            # Reaped or delivered again elsewhere (this worker was cut off past its lease):
+            # whatever it still does with them is refused when it settles.
+            log.warning("lost the leases of %d tasks", len(lost))
+            parts.held.release(lost)
+        try:
+            depths = queue_depth(parts.status.redis, parts.status.keys, self.modalities)
+        except Exception:  # a metric: never a reason to stop renewing
+            log.warning("queue depth could not be read", exc_info=True)
+        else:
+            parts.observer.heartbeat(depths, getattr(self.engine, "stats", None))
         return True
 
     # the loop ----------------------------------------------------------------
@@ -107,10 +114,10 @@ class BatchLoop:
         while not self.stop_event.is_set():
             try:
                 busy = self._turn_once()
-            except redis.ConnectionError:
-                # Redis restarted or unreachable: what this worker holds stays leased (or is
-                # swept back by then); retry until it answers.
-                log.warning("Redis unreachable; retrying in %.1fs", outage)
+            except TRANSIENT_REDIS_ERRORS as exc:
+                # Redis restarted, unreachable, loading, read-only or full: what this worker
+                # holds stays leased (or is swept back by then); retry until it answers.
+                log.warning("Redis %s; retrying in %.1fs", type(exc).__name__, outage)
                 self.stop_event.wait(outage)
                 outage = min(outage * 2, 2.0)
                 continue
@@ -133,48 +140,62 @@ class BatchLoop:
         order = self.modalities[self._turn :] + self.modalities[: self._turn]
         self._turn = (self._turn + 1) % len(self.modalities)
         for modality in order:
-            deliveries = self._gather(modality)
-            if deliveries:
-                self._serve(modality, deliveries)
-                return len(deliveries)
+            pull = self._gather(modality)
+            if pull.deliveries or pull.dropped:
+                self._serve_or_give_back(modality, pull)
+                return len(pull.deliveries) + pull.dropped
         return 0
 
-    def _pull(self, intake: Intake, limit: int) -> list[Delivery]:
-        got = intake.pull(limit, self.lease_deadline())
-        self.parts.held.add(d.task_id for d in got)
-        return got
+    def _pull(self, intake: Intake, limit: int) -> Pull:
+        pull = intake.pull(limit, self.fleet.lease_s)
+        self.parts.held.add(pull.deliveries)
+        return pull
 
-    def _gather(self, modality: str) -> list[Delivery]:
+    def _gather(self, modality: str) -> Pull:
         policy = self.policies[modality]
         intake = self.parts.intakes[modality]
-        got = self._pull(intake, policy.max_batch_size)
-        if not got:
-            return []
+        first = self._pull(intake, policy.max_batch_size)
+        got, dropped, now = list(first.deliveries), first.dropped, first.now
         deadline = time.monotonic() + policy.max_wait_s
-        while len(got) < policy.max_batch_size and time.monotonic() < deadline:
+        while got and len(got) < policy.max_batch_size and time.monotonic() < deadline:
             more = self._pull(intake, policy.max_batch_size - len(got))
-            if more:
-                got += more
-            else:
+            got += more.deliveries
+            dropped, now = dropped + more.dropped, more.now
+            if not more.deliveries:
                 time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
-        return got
+        return Pull(got, now, dropped)
 
     # one batch ---------------------------------------------------------------
-    def _serve(self, modality: str, deliveries: list[Delivery]) -> None:
-        runnable = self.parts.triage.runnable(deliveries)
+    def _serve_or_give_back(self, modality: str, pull: Pull) -> None:
+        """Serve a pulled batch; if anything fails on the way, what it still holds goes back
+        (at once, or by its lease lapsing when Redis cannot take it now): nothing pulled is
+        held and renewed without being worked on."""
+        try:
+            self._serve(modality, pull)
+        except BaseException:
+            ids = [d.task_id for d in pull.deliveries]
+            held = self.parts.held.tokens(ids)
+            log.warning("giving back %d tasks of a batch that failed", len(held))
+            try:
+                self.parts.leases.give_back(held)
+            except Exception:
+                log.warning("could not give them back; their leases will lapse", exc_info=True)
+            self.parts.held.release(ids)
+            raise
+
+    def _serve(self, modality: str, pull: Pull) -> None:
+        runnable = self.parts.triage.runnable(pull)
         if not runnable:
             return
-        redelivered = sum(1 for w in runnable if w.delivery.deliveries > 1)
+        redelivered = sum(1 for w in runnable if w.token > 1)
         max_size = self.policies[modality].max_batch_size
         self.parts.observer.batch(modality, len(runnable), max_size, redelivered)
         batch_id = uuid.uuid4().hex[:12]
         with log_context(worker=self.worker, batch_id=batch_id):
             log.info("batch %s: %d %s requests", batch_id, len(runnable), modality)
-            self.batch_started = time.monotonic()
             try:
                 self._run_batch(runnable)
             finally:
-                self.batch_started = None
                 self.batches_done += 1
 
     def _run_batch(self, runnable: list[Work]) -> None:
@@ -187,13 +208,16 @@ class BatchLoop:
             self._run_group(fresh)
         for suspect in suspects:
             # Settle everything before each risky run: if it kills the process, the results
-            # of its batch-mates are already safe.
-            self.parts.settler.drain()
+            # of its batch-mates are already safe. The wait has its own bound, apart from the
+            # engine call's time limit.
+            if not self.parts.settler.drain(self.fleet.suspect_drain_timeout_s):
+                log.warning("results still unsettled before a suspect run; running it anyway")
             self.parts.triage.count_attempt([suspect])
             self._run_group([suspect])
 
     def _run_group(self, group: list[Work]) -> None:
         requests = [w.request for w in group if w.request is not None]
+        self.engine_started = time.monotonic()
         try:
             results = self.engine.run(
                 requests, worker=self.worker, token_budget=self._budget(group)
@@ -201,8 +225,11 @@ class BatchLoop:
         except Exception as exc:  # the engine itself broke: fail each, never drop
             log.exception("engine failed on a batch of %d", len(requests))
             results = [failed_result(r, exc, self.engine.model_name) for r in requests]
+        finally:
+            self.engine_started = None
         settlements = [
-            result_settlement(item, result) for item, result in zip(group, results, strict=True)
+            result_settlement(item, result, self.worker)
+            for item, result in zip(group, results, strict=True)
         ]
         for settlement in settlements:
             self._report(settlement.record)
@@ -227,9 +254,9 @@ class BatchLoop:
         """After the loop returned: finish uploads, give back what never ran."""
         parts = self.parts
         parts.settler.drain(drain_timeout_s)
-        leftover = parts.held.ids()
+        leftover = parts.held.tokens()
         if leftover:
-            parts.leases.requeue(leftover)
+            parts.leases.give_back(leftover)
             parts.held.release(leftover)
         parts.settler.close()
         parts.housekeeper.close()

@@ -8,7 +8,7 @@ redeliveries and dead letters. Fed by the batch loop's observer hooks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -55,6 +55,12 @@ class WorkerMetrics(LoopObserver):
         self.oom_splits = counter("vlmq_oom_splits", "Micro-batches halved after OOM", [])
         self.redeliveries = counter("vlmq_redeliveries", "Messages delivered more than once", [])
         self.dead_letters = counter("vlmq_dead_letters", "Requests dead-lettered", [])
+        self.superseded_results = counter(
+            "vlmq_superseded_results", "Results discarded: their delivery was superseded", []
+        )
+        self.dropped_copies = counter(
+            "vlmq_dropped_copies", "Copies of finished or live-held tasks dropped at pull", []
+        )
         self._oom_seen = 0
 
     def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
@@ -91,6 +97,12 @@ class WorkerMetrics(LoopObserver):
 
     def uploaded(self, seconds: float, modality: str) -> None:
         self.stage.labels("upload", modality).observe(seconds)
+
+    def superseded(self, task_ids: Sequence[str]) -> None:
+        self.superseded_results.inc(len(task_ids))
+
+    def dropped(self, count: int) -> None:
+        self.dropped_copies.inc(count)
 
     def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
         for modality, depth in queue_depths.items():

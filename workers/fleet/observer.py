@@ -35,6 +35,12 @@ class LoopObserver:
     def uploaded(self, seconds: float, modality: str) -> None:
         """One result object reached the store."""
 
+    def superseded(self, task_ids: Sequence[str]) -> None:
+        """Results of deliveries that no longer held their task were discarded."""
+
+    def dropped(self, count: int) -> None:
+        """A pull dropped copies of tasks already finished or held by a live holder."""
+
     def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
         """The heartbeat ran: queue depths per class, the engine's cumulative counters."""
 
@@ -69,6 +75,12 @@ class Observers(LoopObserver):
 
     def uploaded(self, seconds: float, modality: str) -> None:
         self._each("uploaded", seconds, modality)
+
+    def superseded(self, task_ids: Sequence[str]) -> None:
+        self._each("superseded", task_ids)
+
+    def dropped(self, count: int) -> None:
+        self._each("dropped", count)
 
     def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
         self._each("heartbeat", queue_depths, engine_stats)

@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
-from vlmq.config.connection import create_redis
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import Settings
@@ -58,23 +58,27 @@ def compose_loop(
     fleet = settings.fleet
     keys = Keys(fleet.key_prefix)
     status = StatusDB(redis, keys, ttl_s=fleet.task_ttl_s)
-    leases = Leases(redis, keys)
+    leases = Leases(status.scripts, keys)
     held = Held()
     observer = Observers(observers)
     settler = Settler(
-        store, status, leases, held, observer, fleet.upload_threads, fleet.store_retry_max_s
+        store,
+        leases,
+        held,
+        observer,
+        fleet.upload_threads,
+        fleet.store_retry_max_s,
+        injected_errors=settings.engine.faults.settle_errors,
     )
     webhooks = WebhookSender(status, settings.webhooks)
     parts = LoopParts(
         engine=engine,
         status=status,
-        intakes={m: Intake(redis, keys, m) for m in modalities},
+        intakes={m: Intake(status.scripts, keys, m) for m in modalities},
         leases=leases,
         held=held,
         settler=settler,
-        triage=Triage(
-            status, leases, held, settler, observer, worker, engine.model_name, fleet.max_deliveries
-        ),
+        triage=Triage(status, leases, held, settler, observer, worker, engine.model_name, fleet),
         housekeeper=Housekeeper(status, leases, webhooks, fleet.reap_interval_s),
         observer=observer,
     )
@@ -102,6 +106,8 @@ class WorkerService:
     def setup(self) -> WorkerService:
         self.engine.setup()
         settings = self.settings
+        if not settings.webhooks.secret:
+            log.warning("VLMQ_WEBHOOKS__SECRET is empty: this worker sends no webhooks")
         store = open_store(settings.results_url, settings.s3_endpoint_url, settings.s3_region)
         observers: list[LoopObserver] = [self._metrics()]
         if settings.fleet.task_events:
@@ -143,20 +149,35 @@ class WorkerService:
             os._exit(EXIT_STUCK)
 
     def _heartbeat(self) -> None:
+        """Renew leases every lease_s / 3. Redis being unreachable or full is waited out (the
+        leases lapse if it lasts, and a fenced settle refuses what this worker then finishes);
+        anything else ends the process, so its leases lapse and its work is redelivered,
+        instead of leaving a live worker that silently stopped renewing."""
         assert self.loop is not None
         interval = max(0.5, self.settings.fleet.lease_s / 3)
+        injected_at = self.settings.engine.faults.heartbeat_error_at
+        beats = 0
         while not self._stopped.wait(interval):
+            beats += 1
             try:
+                if beats == injected_at:
+                    raise RuntimeError("injected heartbeat error")
                 alive = self.loop.heartbeat()
-                self._announce()
-            except RedisError:
-                log.warning("heartbeat could not reach Redis", exc_info=True)
+            except TRANSIENT_REDIS_ERRORS as exc:
+                log.warning("heartbeat: Redis %s; retrying", type(exc).__name__)
                 continue
-            if not alive:
-                log.critical("batch exceeded %ss; exiting", self.settings.fleet.batch_time_limit_s)
+            except BaseException:
+                log.critical("the heartbeat failed; exiting so leases lapse", exc_info=True)
                 os._exit(EXIT_STUCK)
+            if not alive:
+                limit = self.settings.fleet.batch_time_limit_s
+                log.critical("an engine call exceeded %ss; exiting", limit)
+                os._exit(EXIT_STUCK)
+            self._announce()
 
     def _announce(self) -> None:
+        """The heartbeat record (``vlmq healthcheck worker``): optional, so a full or
+        unreachable Redis skips it."""
         assert self.loop is not None
         info = {
             "modalities": self.modalities,
@@ -166,7 +187,10 @@ class WorkerService:
             "model": self.engine.model_name,
             "engine": _engine_stats(self.engine),
         }
-        self.redis.hset(self.keys.workers(), self.name, json.dumps(info))
+        try:
+            self.redis.hset(self.keys.workers(), self.name, json.dumps(info))
+        except TRANSIENT_REDIS_ERRORS as exc:
+            log.warning("heartbeat record skipped: Redis %s", type(exc).__name__)
 
     def stop(self, drain_timeout_s: float = 60.0) -> None:
         if self.loop is None or self._stopped.is_set():

@@ -1,12 +1,15 @@
-"""Store step: write each result object, then the terminal statuses and the acks.
+"""Store step: write each result object, then the terminal statuses and the acks, fenced.
 
-Order matters for "nothing is lost": the objects are written first, then one
-transaction moves the statuses to their terminal states and acknowledges the
-messages. A crash in between leaves the messages leased, so they are
-delivered again; the deterministic key makes the rewrite replace the same
-object. A batch's results are settled together (uploads in parallel, one
-Redis transaction), off the batch loop's thread so they overlap the next
-batch; a store outage is retried with backoff while the leases are kept.
+Order matters for "nothing is lost": the objects are written first, then one script moves the
+statuses to their terminal states and acknowledges the messages, for the holder whose delivery
+token is still the task's (``Leases.settle``). A crash in between leaves the messages leased, so
+they are delivered again. Each delivery writes its own object (``result_key(..., token)``), and
+the status hash points at the winner's only: a superseded holder's object is never the task's
+result, and no object is ever overwritten. A batch's results are settled together (uploads in
+parallel, one script call), off the batch loop's thread so they overlap the next batch. A store
+outage and transient Redis errors are retried with backoff while the leases are kept; any other
+failure releases the batch, so its leases lapse and it is redelivered within ``lease_s +
+reap_interval_s`` (never held and renewed forever).
 """
 
 from __future__ import annotations
@@ -14,18 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-import redis
-
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.results import ResultStore, result_key
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import StatusDB
+from vlmq.config.statusdb import Move
 from vlmq.workers.fleet.intake import Held, Leases
 from vlmq.workers.fleet.observer import LoopObserver
 
@@ -36,15 +37,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Settlement:
-    """One task's result object and the terminal status it moves to."""
+    """One task's result object and the terminal status it moves to, for delivery ``token``."""
 
     record: dict[str, Any]
     state: TaskState
     fields: dict[str, Any]
+    token: int
 
     @property
     def task_id(self) -> str:
         return str(self.record["id"])
+
+    @property
+    def key(self) -> str:
+        return result_key(self.task_id, self.record.get("job_id"), self.token)
 
 
 class Settler:
@@ -53,15 +59,15 @@ class Settler:
     def __init__(
         self,
         store: ResultStore,
-        status: StatusDB,
         leases: Leases,
         held: Held,
         observer: LoopObserver,
         threads: int,
         retry_max_s: float,
+        injected_errors: int = 0,
     ) -> None:
         self.store = store
-        self.status = status
+        self._injected_errors = injected_errors  # testing only: FaultInjection.settle_errors
         self.leases = leases
         self.held = held
         self.observer = observer
@@ -79,66 +85,98 @@ class Settler:
         with self._lock:
             return self._pending
 
-    def submit(self, record: dict[str, Any], state: TaskState, fields: dict[str, Any]) -> None:
-        self.submit_many([Settlement(record, state, fields)])
-
     def submit_many(self, settlements: Sequence[Settlement]) -> None:
         if not settlements:
             return
         with self._lock:
             self._pending += len(settlements)
-        future = self._batches.submit(self._settle, list(settlements))
-        future.add_done_callback(partial(self._done, count=len(settlements)))
+        self._batches.submit(self._settle_counted, list(settlements))
 
-    def _done(self, future: Future[Any], *, count: int) -> None:
-        with self._lock:
-            self._pending -= count
-        if future.exception() is not None:
-            log.error("settling results failed", exc_info=future.exception())
+    def _settle_counted(self, settlements: list[Settlement]) -> None:
+        try:
+            self._settle(settlements)
+        finally:
+            with self._lock:
+                self._pending -= len(settlements)
 
     def _settle(self, settlements: list[Settlement]) -> None:
+        try:
+            if self._injected_errors > 0:
+                self._injected_errors -= 1
+                raise RuntimeError("injected settle error")
+            stored = self._store_all(settlements)
+            self.finish_many(stored)
+        except Exception:
+            if self.stopping.is_set():
+                return  # still held: shutdown gives it back
+            ids = [s.task_id for s in settlements]
+            log.exception("settling %d results failed; releasing them for redelivery", len(ids))
+            self.held.release(ids)
+
+    def _store_all(self, settlements: list[Settlement]) -> list[Settlement]:
+        """Upload every object; those that shutdown interrupted are left out (still held)."""
         if self.store.parallel_uploads and len(settlements) > 1:
             urls = list(self._uploads.map(self._upload, settlements))
         else:
             urls = [self._upload(s) for s in settlements]
         stored = []
         for settlement, url in zip(settlements, urls, strict=True):
-            if url is not None:  # None: shutting down; it stays leased and comes back
+            if url is not None:
                 settlement.fields["result_url"] = url
                 stored.append(settlement)
-        self.finish_many(stored)
+        return stored
 
     def _upload(self, settlement: Settlement) -> str | None:
-        record = settlement.record
         started = time.perf_counter()
-        url = self._put_with_retry(result_key(settlement.task_id, record.get("job_id")), record)
-        self.observer.uploaded(
-            time.perf_counter() - started, str(record.get("modality") or "unknown")
-        )
+        url = self._put_with_retry(settlement.key, settlement.record)
+        modality = str(settlement.record.get("modality") or "unknown")
+        self.observer.uploaded(time.perf_counter() - started, modality)
         return url
 
     def finish_many(self, settlements: Sequence[Settlement]) -> None:
-        """Terminal statuses and acknowledgements in one transaction (retried
-        while Redis is unreachable: the objects are already stored)."""
+        """Terminal statuses and acknowledgements in one fenced script (retried while Redis
+        is unreachable or busy: the objects are already stored)."""
         if not settlements:
             return
+        moves = [
+            Move(s.task_id, s.state, s.fields, token=s.token, stamp="finished_at")
+            for s in settlements
+        ]
         delay = 0.1
-        ids = [s.task_id for s in settlements]
         while True:
             try:
-                pipe = self.status.redis.pipeline(transaction=True)
-                moves = [(s.task_id, s.state, s.fields) for s in settlements]
-                self.status.transition_many(moves, pipe=pipe)
-                self.leases.ack(ids, pipe=pipe)
-                pipe.execute()
+                settled = self.leases.settle(moves)
                 break
-            except redis.ConnectionError:
+            except TRANSIENT_REDIS_ERRORS as exc:
                 if self.stopping.is_set():
-                    return  # still leased: delivered again and rewritten
-                log.warning("Redis unreachable while finishing %d tasks; retrying", len(ids))
+                    return  # still held: delivered again
+                log.warning("Redis %s while finishing %d tasks; retrying", _name(exc), len(moves))
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        self.held.release(ids)
+        self.held.release(s.task_id for s in settlements)
+        won = [s for s, done in zip(settlements, settled, strict=True) if done.held]
+        lost = [s for s, done in zip(settlements, settled, strict=True) if not done.held]
+        if lost:
+            log.warning("%d results of superseded deliveries discarded", len(lost))
+            self.observer.superseded([s.task_id for s in lost])
+        # One object per task: a superseded holder removes its own, a redelivered winner what
+        # earlier deliveries may have left (a holder killed between upload and settle).
+        self._remove([s.key for s in lost])
+        self._remove(
+            [
+                result_key(s.task_id, s.record.get("job_id"), delivery)
+                for s in won
+                for delivery in range(1, s.token)
+            ]
+        )
+
+    def _remove(self, keys: Iterable[str]) -> None:
+        """Best effort: an object left behind is never read (the status names the winner's)."""
+        for key in keys:
+            try:
+                self.store.delete(key)
+            except StoreUnavailable:
+                log.warning("could not remove %s; it stays, unread", key)
 
     def _put_with_retry(self, key: str, record: dict[str, Any]) -> str | None:
         delay = 0.2
@@ -165,3 +203,7 @@ class Settler:
         self.stopping.set()
         self._batches.shutdown(wait=True, cancel_futures=True)
         self._uploads.shutdown(wait=True, cancel_futures=True)
+
+
+def _name(exc: BaseException) -> str:
+    return type(exc).__name__

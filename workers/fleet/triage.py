@@ -1,10 +1,12 @@
 """Between pull and engine: decode each message, drop what must not run, start the rest.
 
-Decoding failures fail their task alone (``invalid_request``). A task already terminal (a
-duplicate delivery) is acknowledged and skipped; one past its expiry is expired; one that ran
-``max_deliveries`` times without finishing (its worker died each time) is dead-lettered. What
-is left moves to ``running`` in one script call, and a task cancelled or expired since it was
-pulled is acknowledged instead.
+Any message from any producer either runs or fails alone as ``invalid_request`` with a status
+and a result record; nothing about a message can make the worker exit. A message delivered
+``max_unstarted_deliveries`` times without ever starting (each holder died handling it) is
+dead-lettered before it is even decoded. A task past its expiry (on Redis's clock) is expired;
+one that ran ``max_deliveries`` times without finishing (its worker died each time) is
+dead-lettered. What is left moves to ``running`` in one fenced script call; a task cancelled or
+expired since it was pulled, or delivered to someone else since, is let go instead.
 """
 
 from __future__ import annotations
@@ -12,26 +14,24 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
 from vlmq.config.errors import DeadLettered, Expired, InvalidRequest, PermanentError
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.schemas import Request
-from vlmq.config.status import TERMINAL, TaskState
-from vlmq.config.statusdb import StatusDB
-from vlmq.config.wire import WireError, decode_message
-from vlmq.workers.fleet.intake import Delivery, Held, Leases
+from vlmq.config.settings import FleetSettings
+from vlmq.config.status import TaskState
+from vlmq.config.statusdb import Move, StatusDB
+from vlmq.config.wire import TaskMessage, WireError, decode_message
+from vlmq.workers.fleet.intake import Delivery, Held, Leases, Pull
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settler
-from vlmq.workers.fleet.work import Work, failure_settlement, unique
+from vlmq.workers.fleet.work import Work, failure_settlement
 
 __all__ = ["Triage"]
 
 log = logging.getLogger(__name__)
-
-_TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
 
 
 class Triage:
@@ -44,7 +44,7 @@ class Triage:
         observer: LoopObserver,
         worker: str,
         model: str,
-        max_deliveries: int,
+        fleet: FleetSettings,
     ) -> None:
         self.status = status
         self.leases = leases
@@ -53,64 +53,74 @@ class Triage:
         self.observer = observer
         self.worker = worker
         self.model = model
-        self.max_deliveries = max_deliveries
+        self.fleet = fleet
 
-    def runnable(self, deliveries: list[Delivery]) -> list[Work]:
+    def runnable(self, pull: Pull) -> list[Work]:
         """The pulled work that runs now, moved to running; everything else is settled."""
-        work = self._decode(unique(deliveries))
-        return self._start([item for item in work if self._admit(item)])
+        if pull.dropped:
+            self.observer.dropped(pull.dropped)
+        work = [item for item in map(self._decode, pull.deliveries) if item is not None]
+        return self._start([item for item in work if self._admit(item, pull.now)])
 
     # decode ------------------------------------------------------------------
-    def _decode(self, deliveries: list[Delivery]) -> list[Work]:
-        work = []
-        for delivery in deliveries:
-            item = Work(delivery, status=dict(delivery.status))
-            try:
-                item.message = decode_message(delivery.raw)
-                fields = {**item.message.request, "id": item.message.task_id}
-                item.request = Request.model_validate(fields)
-            except WireError as exc:
-                self.fail(item, InvalidRequest(str(exc)))
-                continue
-            except ValidationError as exc:
-                self.fail(item, InvalidRequest(describe_validation_error(exc)))
-                continue
-            work.append(item)
-        return work
+    def _decode(self, delivery: Delivery) -> Work | None:
+        item = Work(delivery, status=dict(delivery.status))
+        if delivery.token > self.fleet.max_unstarted_deliveries and not item.attempts:
+            self._dead_letter(item, f"delivered {delivery.token} times without ever starting")
+            return None
+        try:
+            item.message, item.request = self._parse(delivery)
+        except InvalidRequest as exc:
+            self.fail(item, exc)
+            return None
+        return item
+
+    def _parse(self, delivery: Delivery) -> tuple[TaskMessage, Request]:
+        """The message and its request, or InvalidRequest saying what is wrong."""
+        if len(delivery.raw) > self.fleet.max_message_bytes:
+            raise InvalidRequest(f"the message is larger than {self.fleet.max_message_bytes} B")
+        try:
+            message = decode_message(delivery.raw)
+            if message.task_id != delivery.task_id:
+                raise WireError("the task id must be a plain id ([A-Za-z0-9_.-], 1-128)")
+            request = Request.model_validate({**message.request, "id": message.task_id})
+        except WireError as exc:
+            raise InvalidRequest(str(exc)) from None
+        except ValidationError as exc:
+            raise InvalidRequest(describe_validation_error(exc)) from None
+        except Exception:
+            # A shape nothing above foresaw: this message fails, the worker goes on.
+            log.exception("message %s could not be decoded", delivery.task_id)
+            raise InvalidRequest("the message could not be decoded") from None
+        return message, request
 
     # admit -------------------------------------------------------------------
-    def _admit(self, item: Work) -> bool:
-        """False (and settled or acknowledged) for work that must not run."""
-        if item.status.get("state", "unknown") in _TERMINAL_STATES:
-            self._drop(item)  # a duplicate delivery
-            return False
-        if self._expired(item):
+    def _admit(self, item: Work, now: float) -> bool:
+        """False (and settled) for work that must not run; ``now`` is Redis's time."""
+        if self._expired(item, now):
             self.fail(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
             return False
-        if item.attempts >= self.max_deliveries:
-            self._dead_letter(item)
+        if item.attempts >= self.fleet.max_deliveries:
+            reason = (
+                f"ran {item.attempts} times without finishing (limit "
+                f"{self.fleet.max_deliveries}); its worker died each time"
+            )
+            self._dead_letter(item, reason)
             return False
         return True
 
-    def _expired(self, item: Work) -> bool:
-        now = datetime.now(timezone.utc)
-        if item.message and item.message.expires and item.message.expires <= now:
+    @staticmethod
+    def _expired(item: Work, now: float) -> bool:
+        expires = item.message.expires if item.message else None
+        if expires is not None and expires.timestamp() <= now:
             return True
-        deadline = item.status.get("expires_at")
         try:
-            return bool(deadline) and float(deadline or 0) <= time.time()
+            deadline = float(item.status.get("expires_at") or "inf")
         except ValueError:
             return False
+        return deadline <= now
 
-    def _drop(self, item: Work) -> None:
-        self.leases.ack([item.task_id])
-        self.held.release([item.task_id])
-
-    def _dead_letter(self, item: Work) -> None:
-        reason = (
-            f"ran {item.attempts} times without finishing (limit "
-            f"{self.max_deliveries}); its worker died each time"
-        )
+    def _dead_letter(self, item: Work, reason: str) -> None:
         self.observer.dead_lettered(item.task_id)
         record = {"task_id": item.task_id, "reason": reason, "at": time.time()}
         record["message"] = item.delivery.raw
@@ -125,39 +135,37 @@ class Triage:
 
     # start -------------------------------------------------------------------
     def _start(self, work: list[Work]) -> list[Work]:
-        """Move every admitted request to running in one script call; those cancelled or
-        expired since they were pulled are acknowledged."""
+        """Move every admitted request to running in one fenced script call; a first run
+        counts its attempt in the same step (one that ran before counts it when it runs
+        alone, ``count_attempt``)."""
         if not work:
             return []
-        now = f"{time.time():.6f}"
         moves = []
         for item in work:
             assert item.request is not None
-            item.status["started_at"] = now
-            fields = {
-                "started_at": now,
-                "worker": self.worker,
-                "modality": item.request.modality.value,
-            }
+            fields = {"worker": self.worker, "modality": item.request.modality.value}
             if not item.status.get("job_id") and item.request.job_id:
                 fields["job_id"] = item.request.job_id
-            moves.append((item.task_id, TaskState.RUNNING, fields))
-        # The start and the first attempt's count share one round trip; requests that ran
-        # before are counted when they run alone (BatchLoop._run_suspects).
-        pipe = self.status.redis.pipeline(transaction=False)
-        self.status.transition_many(moves, pipe=pipe)
-        fresh = [item for item in work if item.attempts == 0]
-        for item in fresh:
-            pipe.hincrby(self.status.keys.task(item.task_id), "attempts", 1)
-        replies = pipe.execute()
-        for item in fresh:
-            item.status["attempts"] = "1"
-        started = []
-        for item, (_, moved) in zip(work, StatusDB.moved(replies[0]), strict=True):
+            fresh = item.attempts == 0
+            moves.append(
+                Move(item.task_id, TaskState.RUNNING, fields, item.token, "started_at", fresh)
+            )
+        started_at = f"{time.time():.6f}"
+        started, ended = [], {}
+        for item, move, (_, moved, held) in zip(
+            work, moves, self.status.fenced_moves(moves), strict=True
+        ):
             if moved:
+                item.status["started_at"] = started_at
+                if move.count_attempt:
+                    item.status["attempts"] = "1"
                 started.append(item)
-            else:
-                self._drop(item)
+            elif held:  # cancelled or expired while it was held: it will not run
+                ended[item.task_id] = item.token
+            # else: delivered to another holder since; that holder has it now
+        self.leases.ack(ended)
+        running = {item.task_id for item in started}
+        self.held.release(item.task_id for item in work if item.task_id not in running)
         self.observer.started([item.task_id for item in started])
         return started
 

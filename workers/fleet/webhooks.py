@@ -1,15 +1,19 @@
-"""Job-finished webhooks: signed with HMAC-SHA256, retried with backoff.
+"""Job-finished webhooks: signed with HMAC-SHA256, retried with backoff, delivered at least once.
 
-The status script queues a job id on ``vlmq:events`` exactly once, when a
-sealed job's last task turns terminal. Any worker takes events with LMOVE
-into a processing list (so a crash mid-delivery leaves them visible), posts
-``{"event": "job.finished", ...}`` to the job's ``webhook_url`` with header
-``X-Vlmq-Signature: sha256=<hex hmac of the body>``, retries on failure with
-exponential backoff, and removes the event when done or given up.
+The status script queues a job id on ``Keys.events()`` exactly once, when a sealed job's last
+task turns terminal. Any worker takes events under a lease (``Keys.events_leased()``, renewed
+before each attempt), posts ``{"event": "job.finished", ...}`` to the job's ``webhook_url``
+with header ``X-Vlmq-Signature: sha256=<hex hmac of the body>``, retries on failure with
+exponential backoff, and removes the event when done or given up. A sender that stops gives
+back what it had not started; one that dies leaves leases that lapse, and any worker's
+housekeeping puts those events back. The connection goes to the address that was checked
+(TLS included: SNI and certificate for the host), never to a second lookup. Without a signing
+secret nothing is sent, and the job says why (``webhook_status``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
@@ -17,9 +21,13 @@ import ipaddress
 import json
 import logging
 import socket
+import ssl
+import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from redis import RedisError
 
 from vlmq.config.errors import VlmqError
 from vlmq.config.keys import Keys
@@ -27,6 +35,7 @@ from vlmq.config.settings import WebhookSettings
 from vlmq.config.status import COUNTED, TERMINAL
 from vlmq.config.statusdb import StatusDB
 from vlmq.workers.media.netpolicy import check_addresses, parse_http_url
+from vlmq.workers.media.pinned import pinned_connection
 
 __all__ = ["WebhookSender", "sign"]
 
@@ -41,25 +50,47 @@ def sign(secret: str, body: bytes) -> str:
 
 
 class WebhookSender:
-    def __init__(self, status: StatusDB, settings: WebhookSettings) -> None:
+    def __init__(
+        self,
+        status: StatusDB,
+        settings: WebhookSettings,
+        workers: int = 2,
+        tls_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.status = status
         self.redis = status.redis
         self.keys: Keys = status.keys
         self.settings = settings
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="webhook")
+        self._workers = workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
+        self._tls = tls_context or ssl.create_default_context()
+        self._pending: dict[Future[None], str] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._event_keys = [self.keys.events(), self.keys.events_leased()]
 
-    def poll(self, limit: int = 16) -> int:
-        """Take up to ``limit`` finished-job events and deliver them in the background."""
-        taken = 0
-        while taken < limit:
-            job_id = self.redis.lmove(
-                self.keys.events(), self.keys.events_processing(), "RIGHT", "LEFT"
-            )
-            if job_id is None:
-                break
-            taken += 1
-            self._pool.submit(self._deliver, str(job_id))
-        return taken
+    def poll(self) -> int:
+        """Take as many finished-job events as there are free senders; deliver them in the
+        background. Also puts back events whose sender died (their lease ran out)."""
+        self.status.scripts("reap_events", self._event_keys, [])
+        with self._lock:
+            free = self._workers - len(self._pending)
+        if free <= 0:
+            return 0
+        taken = self.status.scripts("take_events", self._event_keys, [free, self._lease_s()])
+        for job_id in taken:
+            future = self._pool.submit(self._deliver, str(job_id))
+            with self._lock:
+                self._pending[future] = str(job_id)
+            future.add_done_callback(self._forget)
+        return len(taken)
+
+    def _forget(self, future: Future[None]) -> None:
+        with self._lock:
+            self._pending.pop(future, None)
+
+    def _lease_s(self) -> float:
+        return self.settings.lease_s
 
     def _payload(self, job_id: str) -> tuple[str | None, bytes]:
         job = self.status.job(job_id)
@@ -77,45 +108,53 @@ class WebhookSender:
     def _deliver(self, job_id: str) -> None:
         try:
             url, body = self._payload(job_id)
-            if url:
-                self._post_with_retry(url, body, job_id)
+            if url and not self.settings.secret:
+                log.error(
+                    "job %s: webhook not sent: VLMQ_WEBHOOKS__SECRET is empty, and an unsigned "
+                    "webhook cannot be told from a forged one",
+                    job_id,
+                )
+                self._record(job_id, "refused: no signing secret")
+            elif url and not self._post_with_retry(url, body, job_id):
+                # Stopping between attempts: another worker takes it from here.
+                self.status.scripts("return_events", self._event_keys, [job_id])
+                return
         except Exception:
             log.exception("webhook for job %s failed", job_id)
-        finally:
-            self.redis.lrem(self.keys.events_processing(), 1, job_id)
+        self.redis.zrem(self.keys.events_leased(), job_id)
 
-    def _post_with_retry(self, url: str, body: bytes, job_id: str) -> None:
+    def _record(self, job_id: str, outcome: str) -> None:
+        self.redis.hset(self.keys.job(job_id), "webhook_status", outcome)
+
+    def _post_with_retry(self, url: str, body: bytes, job_id: str) -> bool:
+        """Deliver, or give up and say so; False when stopping cut the attempts short."""
         delay = 0.5
         for attempt in range(1, self.settings.max_attempts + 1):
+            if self._stopping.is_set():
+                return False
+            self.status.scripts("renew_event", self._event_keys, [job_id, self._lease_s()])
             try:
                 status = self._post(url, body)
                 if status < 300:
-                    self.redis.hset(self.keys.job(job_id), "webhook_status", str(status))
-                    return
+                    self._record(job_id, str(status))
+                    return True
                 if 400 <= status < 500 and status not in (408, 429):
                     break  # the receiver refused it: retrying will not help
             except (OSError, VlmqError, http.client.HTTPException):
                 log.warning("webhook attempt %d for job %s failed", attempt, job_id)
-            time.sleep(delay)
+            self._stopping.wait(delay)
             delay = min(delay * 2, 60.0)
-        self.redis.hset(self.keys.job(job_id), "webhook_status", "failed")
+        self._record(job_id, "failed")
+        return True
 
     def _post(self, url: str, body: bytes) -> int:
         target = parse_http_url(url)
         infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
         addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
         address = check_addresses(addresses, self.settings.allow_private_addresses)[0]
-        connection: http.client.HTTPConnection
-        if target.is_tls:
-            connection = http.client.HTTPSConnection(
-                target.host, target.port, timeout=self.settings.timeout_s
-            )
-        else:  # connect to the address that was checked
-            connection = http.client.HTTPConnection(
-                str(address), target.port, timeout=self.settings.timeout_s
-            )
+        connection = pinned_connection(target, address, self.settings.timeout_s, self._tls)
+        # http.client writes the Host header from the URL's host and port (not the address).
         headers = {
-            "Host": target.host,
             "Content-Type": "application/json",
             "User-Agent": "vlmq-webhook/1",
             "X-Vlmq-Signature": sign(self.settings.secret, body),
@@ -127,4 +166,13 @@ class WebhookSender:
             connection.close()
 
     def close(self) -> None:
+        """Stop: deliveries not started go back to the queue at once; one in progress gives
+        its event back after the attempt under way (or, if this process ends first, keeps a
+        lease that lapses: another worker sends it)."""
+        self._stopping.set()
+        with self._lock:
+            unstarted = [job for future, job in self._pending.items() if future.cancel()]
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if unstarted:
+            with contextlib.suppress(RedisError):
+                self.status.scripts("return_events", self._event_keys, unstarted)

@@ -13,7 +13,7 @@ from vlmq.config.wire import TaskMessage
 from vlmq.workers.fleet.intake import Delivery
 from vlmq.workers.fleet.settle import Settlement
 
-__all__ = ["Work", "failed_result", "failure_settlement", "result_settlement", "unique"]
+__all__ = ["Work", "failed_result", "failure_settlement", "result_settlement"]
 
 
 @dataclass
@@ -26,6 +26,10 @@ class Work:
     @property
     def task_id(self) -> str:
         return self.delivery.task_id
+
+    @property
+    def token(self) -> int:
+        return self.delivery.token
 
     @property
     def attempts(self) -> int:
@@ -47,14 +51,6 @@ class Work:
         return request_job or self.status.get("job_id") or None
 
 
-def unique(deliveries: list[Delivery]) -> list[Delivery]:
-    """Two copies of one task pulled together run once."""
-    seen: dict[str, Delivery] = {}
-    for delivery in deliveries:
-        seen.setdefault(delivery.task_id, delivery)
-    return list(seen.values())
-
-
 def failed_result(request: Request, exc: BaseException, model: str) -> Result:
     return Result(
         id=request.id,
@@ -74,8 +70,9 @@ def _float(value: str | None) -> float | None:
         return None
 
 
-def result_settlement(item: Work, result: Result) -> Settlement:
-    """What an engine answered, with the fleet's timings and counts."""
+def result_settlement(item: Work, result: Result, worker: str) -> Settlement:
+    """What an engine answered, with the fleet's timings and counts. The status gets the
+    same worker as the object (and Redis's time as ``finished_at``, when it settles)."""
     record = result.model_dump(mode="json")
     record["timings"] = {
         **record.get("timings", {}),
@@ -85,15 +82,16 @@ def result_settlement(item: Work, result: Result) -> Settlement:
     }
     record["attempts"] = item.attempts
     record["deliveries"] = item.delivery.deliveries
+    record["worker"] = worker
     state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
     error = result.error or {}
     fields = {
-        "finished_at": f"{time.time():.6f}",
+        "worker": worker,
         "batch_id": result.batch_id,
         "error_code": error.get("code"),
         "error_message": error.get("message"),
     }
-    return Settlement(record, state, fields)
+    return Settlement(record, state, fields, item.token)
 
 
 def failure_settlement(
@@ -112,9 +110,5 @@ def failure_settlement(
         "attempts": item.attempts,
         "deliveries": item.delivery.deliveries,
     }
-    fields = {
-        "finished_at": f"{time.time():.6f}",
-        "error_code": error.code,
-        "error_message": error.message,
-    }
-    return Settlement(record, state, fields)
+    fields = {"worker": worker, "error_code": error.code, "error_message": error.message}
+    return Settlement(record, state, fields, item.token)

@@ -15,7 +15,6 @@ import http.client
 import socket
 import ssl
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urljoin
 
@@ -38,6 +37,7 @@ from vlmq.workers.media.netpolicy import (
     resolve_host,
     system_resolver,
 )
+from vlmq.workers.media.pinned import SocketHook, pinned_connection
 
 __all__ = ["HttpFetcher"]
 
@@ -53,58 +53,6 @@ class _Hop:
 
     body: bytes | None = None
     location: str | None = None
-
-
-SocketHook = Callable[[socket.socket], None]
-
-
-class _PinnedHTTPConnection(http.client.HTTPConnection):
-    """Connects to a checked address; the Host header still names the host."""
-
-    def __init__(
-        self, target: HttpTarget, address: IPAddress, timeout: float, on_socket: SocketHook
-    ) -> None:
-        super().__init__(target.host, target.port, timeout=timeout)
-        self._address = address
-        self._on_socket = on_socket
-
-    def connect(self) -> None:
-        self.sock = _open_socket(self._address, self.port, self.timeout, self._on_socket)
-
-
-class _PinnedHTTPSConnection(http.client.HTTPSConnection):
-    """TLS to a checked address, with SNI and certificate check for the host."""
-
-    def __init__(
-        self,
-        target: HttpTarget,
-        address: IPAddress,
-        timeout: float,
-        on_socket: SocketHook,
-        context: ssl.SSLContext,
-    ) -> None:
-        super().__init__(target.host, target.port, timeout=timeout, context=context)
-        self._address = address
-        self._on_socket = on_socket
-        self._tls_context = context
-
-    def connect(self) -> None:
-        raw = _open_socket(self._address, self.port, self.timeout, self._on_socket)
-        try:
-            self.sock = self._tls_context.wrap_socket(raw, server_hostname=self.host)
-        except BaseException:
-            raw.close()
-            raise
-
-
-def _open_socket(
-    address: IPAddress, port: int, timeout: float | None, on_socket: SocketHook
-) -> socket.socket:
-    sock = socket.create_connection((str(address), port), timeout=timeout)
-    # Before the TLS handshake, so a dripping handshake is cut at the deadline too.
-    on_socket(sock)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
 
 
 class _Watchdog:
@@ -231,9 +179,7 @@ class HttpFetcher:
     def _new_connection(
         self, target: HttpTarget, address: IPAddress, timeout: float, on_socket: SocketHook
     ) -> http.client.HTTPConnection:
-        if target.is_tls:
-            return _PinnedHTTPSConnection(target, address, timeout, on_socket, self._tls_context)
-        return _PinnedHTTPConnection(target, address, timeout, on_socket)
+        return pinned_connection(target, address, timeout, self._tls_context, on_socket)
 
     def _exchange(
         self, conn: http.client.HTTPConnection, target: HttpTarget, cap: int, deadline: Deadline

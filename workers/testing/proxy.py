@@ -28,6 +28,10 @@ class Proxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
     def up(self) -> Proxy:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -38,9 +42,13 @@ class Proxy:
         return self
 
     def down(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            # close() alone does not wake a thread blocked in accept(): it would take one more
+            # connection after the proxy is "down".
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
         with self._lock:
             for sock in self._open:
                 with contextlib.suppress(OSError):
@@ -53,6 +61,9 @@ class Proxy:
             try:
                 client, _ = listener.accept()
             except OSError:
+                return
+            if self._listener is not listener:  # taken down meanwhile
+                client.close()
                 return
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)

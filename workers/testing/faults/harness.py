@@ -1,5 +1,6 @@
 """A fleet under test: private Redis, S3 (moto) behind a breakable proxy, and
-real ``vlmq worker`` processes that can be killed, stopped and restarted.
+real ``vlmq worker`` processes that can be killed, stopped, restarted, cut off from
+Redis (:meth:`Harness.redis_proxy`) or run with a skewed clock (:func:`faketime`).
 
 Used by the CI fault suite (small sizes) and by ``bench/faults.py`` (the full
 figures in docs/reliability.md).
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,51 @@ from vlmq.producers.client import Client
 from vlmq.workers.testing.proxy import Proxy
 from vlmq.workers.testing.services import MotoServer, RedisServer, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+_FAKETIME_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/faketime/libfaketimeMT.so.1",
+)
+
+
+def faketime_library() -> str | None:
+    """libfaketime (Debian: apt-get install faketime), or None when it is not installed."""
+    return next((lib for lib in _FAKETIME_LIBS if Path(lib).exists()), None)
+
+
+# libfaketime and CPython 3.11 disagree here in both of its modes (measured): with the
+# monotonic clock faked, every timed wait of a lock or event (sem_clockwait on the real
+# monotonic clock, given a faked deadline) hangs; with FAKETIME_DONT_FAKE_MONOTONIC=1,
+# time.sleep (clock_nanosleep with an absolute monotonic deadline) fails with EINVAL. So the
+# wall clock is faked, the monotonic clock is left alone, and time.sleep is replaced by an
+# Event wait (which the monotonic clock serves correctly) in the skewed process only.
+_SLEEP_SHIM = """import threading
+import time
+
+
+def _sleep(seconds):
+    if seconds > 0:
+        threading.Event().wait(seconds)
+
+
+time.sleep = _sleep
+"""
+
+
+def faketime(offset_s: float, shim_dir: Path) -> dict[str, str]:
+    """Environment that runs a process with its wall clock ``offset_s`` seconds off."""
+    lib = faketime_library()
+    if lib is None:
+        raise RuntimeError("libfaketime is not installed (apt-get install faketime)")
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    (shim_dir / "sitecustomize.py").write_text(_SLEEP_SHIM, encoding="utf-8")
+    return {
+        "LD_PRELOAD": lib,
+        "FAKETIME": f"{offset_s:+.0f}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "PYTHONPATH": str(shim_dir),
+    }
+
 
 __all__ = ["Harness"]
 
@@ -41,6 +87,7 @@ class Harness:
         self.proxy: Proxy | None = None
         self.bucket = "faults"
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.redis_proxies: list[Proxy] = []
         self._client: Client | None = None
 
     # lifecycle -------------------------------------------------------------
@@ -60,6 +107,8 @@ class Harness:
                 proc.wait(10)
         if self.proxy is not None:
             self.proxy.down()
+        for proxy in self.redis_proxies:
+            proxy.down()
         self.moto.stop()
         self.redis.kill()
 
@@ -102,14 +151,29 @@ class Harness:
         }
 
     # workers -----------------------------------------------------------------
+    def skewed(self, offset_s: float) -> dict[str, str]:
+        """Environment for a worker whose wall clock is ``offset_s`` seconds off."""
+        return faketime(offset_s, self.workdir / "faketime")
+
+    def redis_proxy(self) -> Proxy:
+        """A breakable TCP path to Redis: a worker given ``VLMQ_REDIS_URL=proxy.redis_url``
+        can be cut off from Redis while everything else still reaches it."""
+        proxy = Proxy(self.redis.port).up()
+        self.redis_proxies.append(proxy)
+        return proxy
+
     def worker(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vlmq", "worker", *args],
-            cwd=ROOT,
-            env=self.env(**env),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        """A ``vlmq worker`` process; its log goes to ``workdir/logs/worker-N.log``."""
+        logs = self.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        with (logs / f"worker-{len(self.workers)}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "vlmq", "--log-level", "info", "worker", *args],
+                cwd=self.workdir,
+                env=self.env(**env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.workers.append(proc)
         return proc
 
@@ -159,6 +223,17 @@ class Harness:
 
     def objects(self, job: str) -> list[str]:
         return self.client.store.keys(job)
+
+    def pointed_objects(
+        self, statuses: list[dict[str, str]]
+    ) -> list[tuple[str, dict[str, Any] | None]]:
+        """Per status, the store key it points at ('' for none) and that object (None when
+        missing); fetched in parallel."""
+        store = self.client.store
+        keys = [store.key_of(s["result_url"]) if s.get("result_url") else "" for s in statuses]
+        with ThreadPoolExecutor(16) as pool:
+            records = list(pool.map(lambda k: store.get(k) if k else None, keys))
+        return list(zip(keys, records, strict=True))
 
     def running_on(self, ids: list[str], worker: str) -> list[str]:
         fields = ("state", "worker", "attempts")

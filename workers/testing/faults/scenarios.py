@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 from vlmq.config.keys import Keys
-from vlmq.config.results import result_key
 from vlmq.config.status import TERMINAL
 from vlmq.config.wire import encode_message
 from vlmq.workers.testing.faults.harness import Harness
@@ -19,20 +18,35 @@ TERMINAL_STATES = {s.value for s in TERMINAL}
 
 
 def _delivery_figures(h: Harness, job: str, ids: list[str]) -> dict[str, Any]:
+    """Per task: its status, the object the status points at, and whether they agree."""
     statuses = h.statuses(ids)
-    objects = h.objects(job)
-    expected = {result_key(i, job) for i in ids}
+    pointed = h.pointed_objects(statuses)
+    records = [record for _, record in pointed]
     attempts = [int(s.get("attempts") or 0) for s in statuses]
+    agree = [_agrees(s, record) for s, record in zip(statuses, records, strict=True)]
     return {
         "tasks": len(ids),
         "terminal": sum(s.get("state") in TERMINAL_STATES for s in statuses),
         "succeeded": sum(s.get("state") == "succeeded" for s in statuses),
-        "result_objects": len(objects),
-        "lost": len(expected - set(objects)),
-        "duplicate_objects": len(objects) - len(set(objects) & expected),
+        "result_objects": sum(record is not None for record in records),
+        "lost": sum(record is None for record in records),
+        "disagreeing": sum(not ok for ok in agree),
+        # Objects no status points at: deliveries killed between upload and settle, or
+        # superseded; never read, never the task's result.
+        "orphan_objects": len(set(h.objects(job)) - {key for key, _ in pointed}),
         "duplicate_executions": sum(max(0, a - 1) for a in attempts),
         "job_counts": h.client.status(job)["counts"],
     }
+
+
+def _agrees(status: dict[str, str], record: dict[str, Any] | None) -> bool:
+    """The object says what the hash says: succeeded or not, and by which worker."""
+    if record is None:
+        return False
+    succeeded = record.get("status") == "succeeded"
+    return succeeded == (status.get("state") == "succeeded") and record.get("worker") == status.get(
+        "worker"
+    )
 
 
 def kill_storm(
@@ -139,11 +153,13 @@ def s3_outage(h: Harness, tasks: int, outage_s: float, delay_s: float = 0.1) -> 
 
 def _succeeded_without_object(h: Harness, job: str, ids: list[str]) -> int:
     objects = set(h.objects(job))
-    states = h.client.status_db.tasks(ids, ("state",))
+    states = h.client.status_db.tasks(ids, ("state", "result_url"))
+    store = h.client.store
     return sum(
         1
-        for i, s in zip(ids, states, strict=True)
-        if s.get("state") == "succeeded" and result_key(i, job) not in objects
+        for s in states
+        if s.get("state") == "succeeded"
+        and store.key_of(s.get("result_url") or "missing") not in objects
     )
 
 

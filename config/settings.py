@@ -20,6 +20,7 @@ __all__ = [
     "MetricsSettings",
     "Settings",
     "WebhookSettings",
+    "WorkerSettings",
 ]
 
 MiB = 1024 * 1024
@@ -62,6 +63,25 @@ class MediaSettings(BaseModel):
     # an unindexed file cannot burn unbounded CPU. 4096 covers 16 samples of
     # x264's default 250-frame GOP; raise it with video_max_frames.
     video_max_decoded_frames: int = Field(4096, ge=2)
+    # Seek to each sampled frame from the keyframe before it (off: decode in order up to
+    # the last sample; for comparison).
+    video_seek: bool = True
+    # A seek restarts the decoder, costing about what decoding 20-60 frames of 720p H.264
+    # does (measured): it is taken only when it skips more frames than this.
+    video_seek_min_skip_frames: int = Field(30, ge=0)
+    # Between samples, frames no other frame refers to are not decoded (exact: the sampled
+    # frames are those of a full decode; measured 1.4x faster on 720p H.264).
+    video_skip_unreferenced: bool = True
+    # FFmpeg decoder threading: SLICE (measured fastest with clips decoding in parallel),
+    # FRAME, AUTO (both) or NONE.
+    video_thread_type: str = Field("SLICE", pattern="^(SLICE|FRAME|AUTO|NONE)$")
+    # Decode images and video frames no larger than the model's processor will use (its
+    # max pixels): a JPEG is decoded at reduced scale, frames are downscaled as they are
+    # converted. Off: decode at full size and let the processor resize.
+    downscale_at_decode: bool = True
+    # Decoded media and per-media processor outputs kept per worker (content-addressed, LRU),
+    # so a job asking several questions about one image or clip processes it once. 0: off.
+    cache_bytes: int = Field(1024 * MiB, ge=0)
     # Testing only: let http(s) fetches reach loopback/private/link-local
     # addresses (a local test server). Never enable in production: it turns the
     # host allowlist into the only SSRF guard.
@@ -105,6 +125,12 @@ class EngineSettings(BaseModel):
     # similar length are padded together (off: first-come order, for comparison).
     length_bucketing: bool = True
     torch_threads: int | None = None
+    # The image processor's backend: torchvision (the fast one, transformers' default) or pil
+    # (the slow reference). Their pixel values differ slightly (docs/design.md).
+    image_processor_backend: str = Field("torchvision", pattern="^(torchvision|pil)$")
+    # auto: with a CUDA model and the torchvision backend, the image and video processors
+    # resize and normalise on the model's GPU; cpu: always on the CPU.
+    processor_device: str = Field("auto", pattern="^(auto|cpu)$")
     # Benchmarks only: force fixed output lengths (min_new_tokens = max_new_tokens)
     # so random-weight checkpoints that emit EOS early still do comparable work.
     fixed_output_length: bool = False
@@ -117,6 +143,28 @@ class BatchPolicy(BaseModel):
     max_batch_size: int = Field(ge=1)
     max_wait_s: float = Field(ge=0)
     token_budget: int = Field(ge=1)
+
+
+class WorkerSettings(BaseModel):
+    """How a worker process feeds its model: the pipeline of stages (docs/design.md)."""
+
+    # on: pulling, preparing (fetch, decode, estimate) and collating run ahead in their own
+    # threads while the model thread generates; off: the serial loop, for comparison.
+    pipeline: bool = True
+    # Threads that prepare and collate (their heavy parts release the GIL: measured);
+    # default: cores minus one, at least one.
+    preprocess_workers: int | None = Field(None, ge=1)
+    # Pulled batches held ahead of the model, at most, and their decoded media, at most.
+    prefetch_batches: int = Field(2, ge=1)
+    prefetch_bytes: int = Field(2048 * MiB, ge=1)
+    # A preparing or collating stage busy on one item longer than this is stuck: the worker
+    # exits and its messages are redelivered (the engine call has batch_time_limit_s).
+    stage_time_limit_s: float = Field(600.0, gt=0)
+    # How long a Python thread may hold the GIL before it is asked to hand it over (CPython's
+    # default is 5 ms). The model thread gives the GIL up in every torch op and must win it
+    # back; at 5 ms a Python-heavy preprocessing thread slowed generate 52x, at 0.1 ms 1.8x
+    # (measured, docs/design.md). Applied to the process when the pipeline starts.
+    gil_switch_interval_s: float = Field(0.0001, gt=0, le=0.1)
 
 
 class FleetSettings(BaseModel):
@@ -222,6 +270,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     batch: dict[str, BatchPolicy] = Field(default_factory=_default_policies)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)

@@ -145,14 +145,20 @@ def run(
     sys.exit(0)
 
 
-def _engine_for(kind: str, settings: Settings, noop_delay_s: float) -> Any:
+def _engine_for(kind: str, settings: Settings, noop_delay_s: float, simulate: str) -> Any:
     if kind == "noop":
         from vlmq.workers.testing.noop import NoopEngine
 
         return NoopEngine(noop_delay_s, crash_marker=settings.engine.faults.crash_marker)
     from vlmq.workers.engine import Engine
 
-    return Engine(settings.model, settings.engine, settings.media)
+    engine = Engine(settings.model, settings.engine, settings.media)
+    if kind == "simulated":
+        from vlmq.workers.testing.noop import SimulatedAccelerator
+
+        prefill_s, step_s = (float(x) for x in simulate.split(","))
+        return SimulatedAccelerator(engine, prefill_s, step_s)
+    return engine
 
 
 @click.command("worker")
@@ -168,12 +174,19 @@ def _engine_for(kind: str, settings: Settings, noop_delay_s: float) -> Any:
 @click.option(
     "--engine",
     "engine_kind",
-    type=click.Choice(["hf", "noop"]),
+    type=click.Choice(["hf", "noop", "simulated"]),
     default="hf",
     show_default=True,
-    help="noop: no inference (queue benchmarks, fault tests).",
+    help="noop: no inference (queue benchmarks, fault tests); simulated: the real media and "
+    "processor work, generate replaced by a sleep (pipeline benchmarks).",
 )
 @click.option("--noop-delay", type=float, default=0.0, help="Seconds a noop batch takes.")
+@click.option(
+    "--simulate",
+    default="0.015,0.004",
+    show_default=True,
+    help="With --engine simulated: seconds per micro-batch (prefill), per decode step.",
+)
 @click.option(
     "--celery/--no-celery",
     default=True,
@@ -186,6 +199,7 @@ def worker(
     name: str | None,
     engine_kind: str,
     noop_delay: float,
+    simulate: str,
     celery: bool,
 ) -> None:
     """Serve modality queues in batches with one model, loaded once, in this process."""
@@ -199,7 +213,7 @@ def worker(
     if unknown or not modalities:
         raise click.BadParameter(f"unknown modality {sorted(unknown)}", param_hint="--modality")
     service = WorkerService(
-        settings, modalities, _engine_for(engine_kind, settings, noop_delay), name=name
+        settings, modalities, _engine_for(engine_kind, settings, noop_delay, simulate), name=name
     ).setup()
     if celery:
         _run_in_celery(settings, service)

@@ -95,3 +95,36 @@ def test_a_heartbeat_error_exits_and_the_batch_is_redelivered(harness: Harness) 
     figures = worker_core.heartbeat_error(harness, tasks=8)
     assert figures["exit_code"] == 70
     _all_done_once(figures, 8)
+
+
+def test_sigterm_drains_the_running_batch_and_gives_prefetched_work_straight_back(
+    harness: Harness,
+) -> None:
+    import signal
+
+    from vlmq.workers.testing.faults import pipeline
+
+    figures = pipeline.stopped_with_prefetched_work(harness, signal.SIGTERM)
+    _all_done_once(figures, 24)
+    assert figures["exit_code"] == 0 and figures["prefetched_at_signal"] > 0
+    assert figures["finished_before_exit"] == figures["running_at_signal"]  # drained
+    assert figures["running_finished_by_victim"] == figures["running_at_signal"]
+    assert figures["leases_left_at_exit"] == 0  # given back, not left to lapse
+    assert figures["prefetched_attempts"] == 0
+    assert figures["duplicate_executions"] == 0
+
+
+def test_sigkill_with_prefetched_work_reruns_only_the_running_batch(harness: Harness) -> None:
+    import signal
+
+    from vlmq.workers.testing.faults import pipeline
+
+    figures = pipeline.stopped_with_prefetched_work(harness, signal.SIGKILL)
+    _all_done_once(figures, 24)
+    assert figures["prefetched_at_signal"] > 0
+    assert (
+        figures["leases_left_at_exit"]
+        == figures["running_at_signal"] + figures["prefetched_at_signal"]
+    )
+    assert figures["prefetched_attempts"] == 0  # prefetched work was never counted as run
+    assert figures["duplicate_executions"] == figures["running_at_signal"]

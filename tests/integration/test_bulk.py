@@ -199,8 +199,10 @@ def test_interactive_requests_overtake_a_bulk_backlog(settings):
             lambda: all(client.status(t)["state"] == "succeeded" for t in urgent),
             what="interactive requests",
         )
-    # At most the batch running and the one already pulled (8 each) ran before
-    # them; then they went first, ahead of the remaining backlog.
+    # At most what was already pulled (the batch running and the prefetched ones: 8 each,
+    # prefetch_batches in all) and one batch pulled while they were being submitted one by
+    # one ran before them; then they went first, ahead of the remaining backlog.
     positions = [engine.ran.index(t) for t in urgent]
-    assert max(positions) < ran_before + 2 * 8 + len(urgent), (ran_before, positions)
+    pulled = settings.worker.prefetch_batches * 8
+    assert max(positions) < ran_before + pulled + 8 + len(urgent), (ran_before, positions)
     assert job_summary(client, "job-big")["done"] < 500  # the backlog was still there

@@ -46,6 +46,28 @@ def test_worker_metrics_follow_a_job(settings):
     assert _value(text, "vlmq_stage_seconds_count", stage="queue_wait", modality="text") == 12
     assert _value(text, "vlmq_stage_seconds_count", stage="upload", modality="text") == 12
     assert _value(text, "vlmq_queue_depth", modality="text") == 0
+    # The pipeline's view: stages busy, the model's share of the wall, hand-off depths.
+    assert _value(text, "vlmq_stage_busy_seconds_total", stage="generate") > 0
+    assert _value(text, "vlmq_stage_busy_seconds_total", stage="prepare") >= 0
+    assert 0 <= _value(text, "vlmq_model_busy_ratio") <= 1
+    assert _value(text, "vlmq_pipeline_depth", handoff="ready") >= 0
+
+
+def test_media_cache_counters_are_exported_as_increases():
+    from vlmq.workers.engine.engine import EngineStats
+    from vlmq.workers.media.cache import CacheStats
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    stats = EngineStats(cache=CacheStats(hits=3, misses=2, evictions=1, bytes=4096))
+    metrics.heartbeat({}, stats)
+    stats.cache.hits, stats.cache.bytes = 7, 1024
+    metrics.heartbeat({}, stats)
+    text = generate_latest(registry).decode()
+    assert _value(text, "vlmq_media_cache_lookups_total", outcome="hit") == 7
+    assert _value(text, "vlmq_media_cache_lookups_total", outcome="miss") == 2
+    assert _value(text, "vlmq_media_cache_evictions_total") == 1
+    assert _value(text, "vlmq_media_cache_bytes") == 1024
 
 
 def test_json_logs_carry_task_job_batch_and_worker(capsys):

@@ -107,8 +107,8 @@ def test_padded_batch_gives_each_request_its_solo_tokens(model_dir, media):
 
 def test_collation_pads_on_the_left(model_dir, media):
     engine = _engine(model_dir, media)
-    prepared = engine._preparer.prepare_all(mixed_batch(media))
-    inputs = engine._runner.collate(prepared)
+    prepared = [engine.prepare(r) for r in mixed_batch(media)]
+    inputs = engine.collate(prepared).inputs
     mask = inputs["attention_mask"]
     assert engine.loaded.tokenizer.padding_side == "left"
     assert bool(mask[:, -1].all())  # every row ends at the last position
@@ -257,16 +257,16 @@ def test_transient_fetch_errors_are_retried_then_reported(qwen, media):
     real = engine.loader.load_image
     calls = {"flaky": 0, "down": 0}
 
-    def load_image(source):
+    def load_image(source, downscale=None):
         if "flaky" in source:
             calls["flaky"] += 1
             if calls["flaky"] < 3:
                 raise MediaFetchTransient("the media server answered 503")
-            return real(str(media / "a.png"))
+            return real(str(media / "a.png"), downscale)
         if "down" in source:
             calls["down"] += 1
             raise MediaFetchTransient("the media server answered 503")
-        return real(source)
+        return real(source, downscale)
 
     engine.loader.load_image = load_image
     results = engine.run(

@@ -189,7 +189,8 @@ def test_other_containers_sample_the_same_frames(container: str, codec: str) -> 
 
 def test_long_video_is_sampled_by_seeking_within_a_small_decode_budget() -> None:
     data = make_video_bytes(n_frames=600, size=(32, 32), fps=25, gop=12)  # 24 s
-    settings = MediaSettings(video_max_decoded_frames=250)  # decoding all would need 600
+    # Decoding all would need 600; every seek is taken (even those skipping few frames).
+    settings = MediaSettings(video_max_decoded_frames=250, video_seek_min_skip_frames=0)
     video = decode_video(data, settings, fps=2.0)
     assert len(video.frames) == 16 and video.total_frames == 600
     # The frame on screen at the centre of each of 16 equal segments.
@@ -316,3 +317,28 @@ def test_decode_errors_are_client_safe() -> None:
             decode(data, SETTINGS)
         message = info.value.to_dict()["message"]
         assert not any(m in message for m in ("<", "0x", "Error", "Traceback", "object at"))
+
+
+def test_unreferenced_frames_are_skipped_between_samples_and_the_samples_are_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vlmq.workers.media import decode as decode_module
+
+    data = make_video_bytes(n_frames=250, size=(64, 64), fps=25, gop=50, codec="libx264")
+    decoded: list[int] = []
+    spend = decode_module._DecodeBudget.spend
+
+    def counting(budget: Any) -> None:
+        decoded[-1] += 1
+        spend(budget)
+
+    monkeypatch.setattr(decode_module._DecodeBudget, "spend", counting)
+    videos = []
+    for skip in (False, True):
+        decoded.append(0)
+        videos.append(decode_video(data, MediaSettings(video_skip_unreferenced=skip), fps=1.0))
+    full, skipped = videos
+    assert skipped.frame_indices == full.frame_indices
+    assert [f.tobytes() for f in skipped.frames] == [f.tobytes() for f in full.frames]
+    assert_frames_match_indices(skipped)
+    assert decoded[1] < decoded[0] * 0.8  # x264's B-frames between samples were not decoded

@@ -833,3 +833,86 @@ def test_slow_tls_handshake_is_cut_by_the_total_deadline(dripping_tls_server: in
         )
     assert time.monotonic() - started < 1.8
     assert info.value.message == "media fetch timed out"
+
+
+# --- versioned sources: a cached decode stands while the source says it is current ------
+
+
+def _versioned_route(state: dict[str, Any]) -> Callable[[_Handler], None]:
+    """Serves ``state["body"]`` under ``state["header"]``/``state["tag"]``; a matching
+    conditional GET gets 304 and no body."""
+
+    def route(h: _Handler) -> None:
+        asked = h.headers.get("If-None-Match") or h.headers.get("If-Modified-Since")
+        state["conditional"].append(asked)
+        if asked == state["tag"]:
+            h._send(304, b"")
+            return
+        h._send(200, state["body"], {state["header"]: state["tag"]})
+
+    return route
+
+
+@pytest.mark.parametrize(
+    ("header", "tag"),
+    [("ETag", '"v1"'), ("Last-Modified", "Tue, 01 Dec 2026 10:00:00 GMT")],
+)
+def test_a_remote_image_still_current_is_not_downloaded_again(
+    server: _TestServer, header: str, tag: str
+) -> None:
+    state: dict[str, Any] = {
+        "body": png_bytes((40, 30)),
+        "header": header,
+        "tag": tag,
+        "conditional": [],
+    }
+    server.routes["/versioned.png"] = _versioned_route(state)
+    loader = MediaLoader(http_settings())
+    url = f"{server.base}/versioned.png"
+    first = loader.load_image(url)
+    again = loader.load_image(url)
+    assert state["conditional"] == [None, tag]  # the second GET named the version it holds
+    assert again is first and loader.cache.stats.hits == 1
+    # A new version: downloaded and decoded afresh.
+    state["body"], state["tag"] = png_bytes((50, 20)), tag.replace("1", "2")
+    changed = loader.load_image(url)
+    assert changed.size == (50, 20)
+
+
+def test_without_a_cache_no_version_is_remembered(server: _TestServer) -> None:
+    state: dict[str, Any] = {
+        "body": png_bytes(),
+        "header": "ETag",
+        "tag": '"v1"',
+        "conditional": [],
+    }
+    server.routes["/versioned.png"] = _versioned_route(state)
+    loader = MediaLoader(http_settings(cache_bytes=0))
+    for _ in range(2):
+        loader.load_image(f"{server.base}/versioned.png")
+    assert state["conditional"] == [None, None]
+
+
+def test_an_s3_object_still_current_is_not_downloaded_again(
+    s3_factory: Callable[[], Any],
+) -> None:
+    gets: list[str] = []
+
+    def counting() -> Any:
+        client = s3_factory()
+        get_object = client.get_object
+
+        def get(**kwargs: Any) -> Any:
+            gets.append(kwargs["Key"])
+            return get_object(**kwargs)
+
+        client.get_object = get
+        return client
+
+    loader = MediaLoader(MediaSettings(allowed_buckets=["media-in"]), counting)
+    first = loader.load_image("s3://media-in/imgs/a.png")
+    assert loader.load_image("s3://media-in/imgs/a.png") is first
+    assert gets == ["imgs/a.png"]  # HEAD showed the same ETag: no second download
+    s3_factory().put_object(Bucket="media-in", Key="imgs/a.png", Body=png_bytes((20, 10)))
+    assert loader.load_image("s3://media-in/imgs/a.png").size == (20, 10)
+    assert len(gets) == 2

@@ -1,10 +1,14 @@
 """The batch engine: requests in, exactly one result per request out.
 
-decode (fetch + decode media, limits, length estimate) → batch (sort, cut
-under a token budget) → predict (padded generate) → unbatch (one result per
-request, in input order). Failures stay per request: bad media or an over-long
-prompt fails alone; an exception in ``generate`` bisects the micro-batch until
-the culprit is alone; an out-of-memory error halves it and retries.
+decode (``prepare``: fetch + decode media, limits, length estimate; any thread) → batch
+(``plan``: sort, cut under a token budget) → collate (``collate``: the processor, any thread,
+each with its own processor) → predict (``generate``: padded generate on the model's thread)
+→ unbatch (one result per request). ``run`` does all of it in order, for ``vlmq run`` and the
+serial worker; the pipelined worker calls the steps from its stages (workers/fleet/pipeline.py)
+through the generation interface (``capacity`` / ``submit`` / ``poll``) a continuous engine
+can fill too. Failures stay per request: bad media or an over-long prompt fails alone; an
+exception in ``generate`` bisects the micro-batch until the culprit is alone; an
+out-of-memory error halves it and retries.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, Vlm
 from vlmq.config.schemas import Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.batching import plan_micro_batches
-from vlmq.workers.engine.model import LoadedModel, load_model
+from vlmq.workers.engine.interface import Collated
+from vlmq.workers.engine.model import LoadedModel, load_model, load_processor, processor_device
 from vlmq.workers.engine.prepare import Prepared, Preparer, video_frame_counts
+from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
 from vlmq.workers.media import MediaLoader
+from vlmq.workers.media.cache import CacheStats
 
 __all__ = ["Engine", "EngineStats", "Outcome"]
 
@@ -47,7 +54,12 @@ class EngineStats:
     rows: int = 0
     real_prompt_tokens: int = 0
     padded_prompt_tokens: int = 0
+    generate_s: float = 0.0  # time inside generate: the model-busy numerator
     batch_sizes: list[int] = field(default_factory=list)
+    cache: CacheStats = field(default_factory=CacheStats)  # the media cache's, shared
+
+
+Run = list[tuple[Prepared, Completion | None, VlmqError | None]]
 
 
 class Engine:
@@ -65,19 +77,33 @@ class Engine:
         self.media_settings = media or MediaSettings()
         self.loader = loader or MediaLoader(self.media_settings)
         self.loaded: LoadedModel | None = None
-        self.stats = EngineStats()
+        self.stats = EngineStats(cache=self.loader.cache.stats)
         self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
         self._max_rows = self.settings.max_batch_size
+        self._submitted: Collated | None = None
 
     # lifecycle -------------------------------------------------------------
     def setup(self) -> Engine:
         if self.loaded is None:
             self.loaded = load_model(self.model_name, self.settings)
+            self.processors = ProcessorSet(
+                self.loaded.processor,
+                lambda: load_processor(self.model_name, self.settings),
+                self.loader.cache,
+            )
             self._runner = BatchRunner(
-                self.loaded, self.settings.faults, self.settings.fixed_output_length
+                self.loaded,
+                self.settings.faults,
+                self.settings.fixed_output_length,
+                processor_device(self.settings, self.loaded.device),
             )
             self._preparer = Preparer(
-                self.loaded, self.settings, self.media_settings, self.loader, self._pool
+                self.loaded,
+                self.settings,
+                self.media_settings,
+                self.loader,
+                self._pool,
+                self.processors,
             )
         return self
 
@@ -89,45 +115,32 @@ class Engine:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # serving ---------------------------------------------------------------
-    def run(
-        self,
-        requests: Sequence[Request],
-        worker: str | None = None,
-        token_budget: int | None = None,
-    ) -> list[Result]:
-        """One result per request, in order; ``token_budget`` (a class's batch
-        policy) can only lower the engine's padded-token budget, which is the
-        device's limit."""
-        outcomes = self.run_outcomes(requests, token_budget)
-        return [self.to_result(o, worker) for o in outcomes]
-
-    def run_outcomes(
-        self, requests: Sequence[Request], token_budget: int | None = None
-    ) -> list[Outcome]:
+    def _ready(self) -> LoadedModel:
         if self.loaded is None:
-            raise RuntimeError("Engine.setup() must run before Engine.run()")
-        prepared = self._preparer.prepare_all(list(requests))
-        outcomes = {id(p): Outcome(p, error=p.error) for p in prepared}
-        ready = [p for p in prepared if p.error is None]
-        budget = min(token_budget or self.settings.token_budget, self.settings.token_budget)
-        for micro_batch in self._plan(ready, budget):
-            for item, completion, error in self._run_safely(micro_batch):
-                outcomes[id(item)].completion = completion
-                outcomes[id(item)].error = error
-        return [outcomes[id(p)] for p in prepared]
+            raise RuntimeError("Engine.setup() must run before the engine is used")
+        return self.loaded
 
-    def _plan(self, ready: list[Prepared], budget: int) -> list[list[Prepared]]:
-        """Micro-batches under the row cap and token budget.
+    # the steps -------------------------------------------------------------
+    def prepare(self, request: Request) -> Prepared:
+        """Fetch, decode, check and estimate one request (any thread); never raises."""
+        self._ready()
+        return self._preparer.prepare(request)
 
-        InternVL's processor stacks all videos of one call, so their frame
-        counts must match: video requests are grouped by frame count, and
-        requests without video join the largest group.
+    def plan(
+        self, prepared: Sequence[Prepared], token_budget: int | None = None
+    ) -> list[list[Prepared]]:
+        """Micro-batches under the row cap and token budget; ``token_budget`` (a class's batch
+        policy) can only lower the engine's, which is the device's limit.
+
+        InternVL's processor stacks all videos of one call, so their frame counts must match:
+        video requests are grouped by frame count, and requests without video join the
+        largest group.
         """
+        budget = min(token_budget or self.settings.token_budget, self.settings.token_budget)
         groups: dict[tuple[int, ...], list[Prepared]] = {(): []}
-        for item in ready:
+        for item in prepared:
             frames = video_frame_counts(item.conversation)
-            key = tuple(sorted(set(frames))) if self._family == "internvl" else ()
+            key = tuple(sorted(set(frames))) if self._ready().family == "internvl" else ()
             groups.setdefault(key, []).append(item)
         if len(groups) > 1:
             plain = groups.pop(())
@@ -140,16 +153,76 @@ class Engine:
             )
         ]
 
-    @property
-    def _family(self) -> str:
-        return self.loaded.family if self.loaded else ""
-
-    def _run_safely(
-        self, items: list[Prepared]
-    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
-        """Run a micro-batch; never raises; one entry per item."""
+    def collate(self, items: Sequence[Prepared]) -> Collated:
+        """The micro-batch's padded tensors, made with this thread's own processor. A
+        processor failure is left for ``generate`` to isolate (it bisects)."""
         try:
-            completions = self._runner.generate(items)
+            return self._runner.collate(items, self.processors.for_thread())
+        except Exception:
+            log.warning("collating %d requests failed; generate will isolate", len(items))
+            return Collated(list(items), None, 0.0)
+
+    def generate(self, collated: Collated) -> list[Outcome]:
+        """Run one collated micro-batch on the model's thread; one outcome per item, never
+        raises."""
+        self._ready()
+        return [
+            Outcome(item, completion, error)
+            for item, completion, error in self._run_safely(collated.items, collated)
+        ]
+
+    # the generation interface (a continuous engine takes requests as slots free) -----
+    def capacity(self) -> int:
+        """Rows this engine can take now: a whole micro-batch when idle, none while one is
+        waiting to run (the HF engine runs static micro-batches)."""
+        return self._max_rows if self._submitted is None else 0
+
+    def submit(self, collated: Collated) -> None:
+        if self._submitted is not None:
+            raise RuntimeError("the HF engine runs one micro-batch at a time")
+        self._submitted = collated
+
+    def poll(self, worker: str) -> list[Result]:
+        """The results of what was submitted (all of it: generate runs here)."""
+        collated, self._submitted = self._submitted, None
+        if collated is None:
+            return []
+        return [self.to_result(outcome, worker) for outcome in self.generate(collated)]
+
+    def reject(self, prepared: Prepared, worker: str) -> Result:
+        return self.to_result(Outcome(prepared, error=prepared.error), worker)
+
+    # all in order ----------------------------------------------------------
+    def run(
+        self,
+        requests: Sequence[Request],
+        worker: str | None = None,
+        token_budget: int | None = None,
+    ) -> list[Result]:
+        """One result per request, in order."""
+        outcomes = self.run_outcomes(requests, token_budget)
+        return [self.to_result(o, worker) for o in outcomes]
+
+    def run_outcomes(
+        self, requests: Sequence[Request], token_budget: int | None = None
+    ) -> list[Outcome]:
+        self._ready()
+        prepared = self._preparer.prepare_all(list(requests))
+        outcomes = {id(p): Outcome(p, error=p.error) for p in prepared}
+        ready = [p for p in prepared if p.error is None]
+        for micro_batch in self.plan(ready, token_budget):
+            for item, completion, error in self._run_safely(micro_batch):
+                outcomes[id(item)].completion = completion
+                outcomes[id(item)].error = error
+        return [outcomes[id(p)] for p in prepared]
+
+    # failure handling --------------------------------------------------------
+    def _run_safely(self, items: list[Prepared], collated: Collated | None = None) -> Run:
+        """Run a micro-batch (collating it here unless given); one entry per item."""
+        try:
+            if collated is None or collated.inputs is None:
+                collated = self._runner.collate(items, self.processors.primary)
+            completions = self._runner.generate(collated)
         except OutOfMemory as exc:
             return self._after_oom(items, exc)
         except RowsTooLong as exc:
@@ -159,9 +232,7 @@ class Engine:
         self._record(completions)
         return [(item, c, None) for item, c in zip(items, completions, strict=True)]
 
-    def _after_oom(
-        self, items: list[Prepared], exc: OutOfMemory
-    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+    def _after_oom(self, items: list[Prepared], exc: OutOfMemory) -> Run:
         free_device_memory()
         if len(items) == 1:
             return [(items[0], None, exc)]
@@ -171,26 +242,20 @@ class Engine:
         log.warning("out of memory at %d rows; retrying at %d", len(items), len(items) // 2)
         return self._split(items)
 
-    def _bisect(
-        self, items: list[Prepared]
-    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+    def _bisect(self, items: list[Prepared]) -> Run:
         if len(items) == 1:
             log.exception("generate failed for request %s", items[0].request.id)
             return [(items[0], None, GenerationFailed("generation failed for this request"))]
         self.stats.bisections += 1
         return self._split(items)
 
-    def _split(
-        self, items: list[Prepared]
-    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
+    def _split(self, items: list[Prepared]) -> Run:
         half = len(items) // 2
         return self._run_safely(items[:half]) + self._run_safely(items[half:])
 
-    def _drop_rows(
-        self, items: list[Prepared], rows: list[int]
-    ) -> list[tuple[Prepared, Completion | None, VlmqError | None]]:
-        limit = self.loaded.context_length if self.loaded else 0
-        failed = [
+    def _drop_rows(self, items: list[Prepared], rows: list[int]) -> Run:
+        limit = self._ready().context_length
+        failed: Run = [
             (items[i], None, PromptTooLong(f"prompt plus max_new_tokens exceeds context {limit}"))
             for i in rows
         ]
@@ -204,6 +269,7 @@ class Engine:
         self.stats.micro_batches += 1
         self.stats.rows += len(completions)
         self.stats.batch_sizes.append(first.batch_size)
+        self.stats.generate_s += first.generate_s
         real = sum(c.prompt_tokens for c in completions)
         self.stats.real_prompt_tokens += real
         self.stats.padded_prompt_tokens += round(real / first.padding_ratio)

@@ -14,7 +14,14 @@ from typing import Any
 from vlmq.config.errors import ConfigError
 from vlmq.config.settings import EngineSettings
 
-__all__ = ["LoadedModel", "load_model", "resolve_attention", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "LoadedModel",
+    "load_model",
+    "load_processor",
+    "resolve_attention",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +99,42 @@ def _context_length(config: Any) -> int:
     return int(getattr(text_config, "max_position_embeddings", 32768))
 
 
+def load_processor(name: str, settings: EngineSettings) -> Any:
+    """The model's processor, set up for padded batches: each thread that collates loads
+    its own (processors are not thread-safe)."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(name)
+    if settings.image_processor_backend != "torchvision":
+        # The video processors have only the torchvision backend: swap the image one alone.
+        processor.image_processor = AutoImageProcessor.from_pretrained(
+            name, backend=settings.image_processor_backend
+        )
+    # Decoder-only generation pads on the left so every row ends at the same
+    # position and new tokens are appended right after each prompt.
+    processor.tokenizer.padding_side = "left"
+    if processor.tokenizer.pad_token_id is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
+def processor_device(settings: EngineSettings, device: str) -> str | None:
+    """Where the image and video processors run: on a CUDA model's device when the
+    torchvision backend is used and ``processor_device`` is auto (the pil one runs on the
+    CPU only); None leaves them on the CPU."""
+    if (
+        settings.processor_device == "auto"
+        and device.startswith("cuda")
+        and settings.image_processor_backend == "torchvision"
+    ):
+        return device
+    return None
+
+
 def load_model(name: str, settings: EngineSettings) -> LoadedModel:
     """Load model + processor exactly as for a real checkpoint (local dir or hub id)."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -108,12 +147,7 @@ def load_model(name: str, settings: EngineSettings) -> LoadedModel:
     )
     model.to(device)  # type: ignore[arg-type]
     model.eval()
-    processor = AutoProcessor.from_pretrained(name)
-    # Decoder-only generation pads on the left so every row ends at the same
-    # position and new tokens are appended right after each prompt.
-    processor.tokenizer.padding_side = "left"
-    if processor.tokenizer.pad_token_id is None:
-        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    processor = load_processor(name, settings)
     return LoadedModel(
         name=name,
         model=model,

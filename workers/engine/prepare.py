@@ -1,7 +1,8 @@
 """Decode step: per request, check limits, fetch and decode media, estimate length.
 
-Each request is prepared on its own; a failure here (bad media, too many
-items, over-long prompt) fails only that request, with a stable error code.
+Each request is prepared on its own, on any thread; a failure here (bad media, too many
+items, over-long prompt) fails only that request, with a stable error code. Media is decoded
+no larger than the model's processor will use (``visual_downscale``) and cached by content.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from vlmq.config.schemas import ImagePart, Request, TextPart, VideoPart
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.estimate import estimate_prompt_tokens
 from vlmq.workers.engine.model import LoadedModel
-from vlmq.workers.media import DecodedVideo, MediaLoader
+from vlmq.workers.engine.processors import ProcessorSet
+from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, image_bytes
 
-__all__ = ["Prepared", "Preparer"]
+__all__ = ["Prepared", "Preparer", "visual_downscale"]
 
 T = TypeVar("T")
 
@@ -44,6 +46,7 @@ class Prepared:
     prompt_tokens: int = 0
     error: VlmqError | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    media_bytes: int = 0  # decoded pixels it holds (the pipeline's prefetch budget)
 
 
 def video_content(video: DecodedVideo) -> dict[str, Any]:
@@ -81,6 +84,45 @@ def video_frame_counts(conversation: list[dict[str, Any]]) -> tuple[int, ...]:
     )
 
 
+def _size_attr(size: Any, name: str) -> int | None:
+    value = getattr(size, name, None)
+    if value is None and isinstance(size, dict):
+        value = size.get(name)
+    return int(value) if value else None
+
+
+def _target(processor: Any, tiles: int) -> Downscale | None:
+    """What one image or frame can be at most for ``processor`` (None: unknown)."""
+    size = getattr(processor, "size", None)
+    if size is None:
+        return None
+    longest = _size_attr(size, "longest_edge")
+    if longest:  # Qwen: a pixel budget, aspect kept
+        return Downscale(max_pixels=longest)
+    height, width = _size_attr(size, "height"), _size_attr(size, "width")
+    if height and width:  # InternVL: fixed tiles
+        if tiles > 1:
+            return Downscale(max_pixels=height * width * tiles)
+        return Downscale(cover=(width, height))
+    return None
+
+
+def visual_downscale(processor: Any) -> tuple[Downscale | None, Downscale | None]:
+    """Decode-time downscale targets for images and for video frames, from the processor's
+    own limits (Qwen's pixel budgets; InternVL's tiles)."""
+    image = getattr(processor, "image_processor", None)
+    video = getattr(processor, "video_processor", None)
+    tiles = (
+        int(getattr(image, "max_patches", 1) or 1)
+        if getattr(image, "crop_to_patches", False)
+        else 1
+    )
+    return (
+        _target(image, tiles) if image is not None else None,
+        _target(video, 1) if video is not None else None,
+    )
+
+
 class Preparer:
     """Turns requests into collatable conversations, fetching media concurrently."""
 
@@ -91,12 +133,18 @@ class Preparer:
         media: MediaSettings,
         loader: MediaLoader,
         pool: Executor,
+        processors: ProcessorSet,
     ) -> None:
         self.loaded = loaded
         self.engine = engine
         self.media = media
         self.loader = loader
         self.pool = pool
+        self.processors = processors
+        targets = visual_downscale(loaded.processor)
+        self.image_target, self.video_target = (
+            targets if media.downscale_at_decode else (None, None)
+        )
 
     def prepare_all(self, requests: list[Request]) -> list[Prepared]:
         futures = [self.pool.submit(self.prepare, request) for request in requests]
@@ -105,11 +153,13 @@ class Preparer:
     def prepare(self, request: Request) -> Prepared:
         prepared = Prepared(request, self._max_new_tokens(request))
         started = time.perf_counter()
+        hits = self.loader.thread_hits()
         try:
             self._check_media_counts(request)
             self._check_max_new_tokens(prepared.max_new_tokens)
             self._check_text(request)
             prepared.conversation, sizes = self._decode(request)
+            prepared.media_bytes = _media_bytes(prepared.conversation)
             prepared.prompt_tokens = self._estimate(prepared.conversation, *sizes)
             self._check_context(prepared)
         except VlmqError as exc:
@@ -120,6 +170,8 @@ class Preparer:
             log.exception("preparing request %s failed", request.id)
             prepared.error = VlmqError("could not prepare this request")
         prepared.timings["prepare_s"] = round(time.perf_counter() - started, 4)
+        if request.parts("image") or request.parts("video"):
+            prepared.timings["media_cache_hits"] = self.loader.thread_hits() - hits
         return prepared
 
     def _max_new_tokens(self, request: Request) -> int:
@@ -185,7 +237,8 @@ class Preparer:
                 if isinstance(part, TextPart):
                     content.append({"type": "text", "text": part.text})
                 elif isinstance(part, ImagePart):
-                    image = self._with_retry(partial(self.loader.load_image, part.source))
+                    load = partial(self.loader.load_image, part.source, self.image_target)
+                    image = self._with_retry(load)
                     image_sizes.append((image.height, image.width))
                     content.append({"type": "image", "image": image})
                 elif isinstance(part, VideoPart):
@@ -210,7 +263,13 @@ class Preparer:
     def _load_videos(self, request: Request) -> list[DecodedVideo]:
         videos = [
             self._with_retry(
-                partial(self.loader.load_video, part.source, part.fps, part.max_frames)
+                partial(
+                    self.loader.load_video,
+                    part.source,
+                    part.fps,
+                    part.max_frames,
+                    self.video_target,
+                )
             )
             for part in request.parts("video")
         ]
@@ -233,6 +292,20 @@ class Preparer:
         image_sizes: list[tuple[int, int]],
         video_sizes: list[tuple[int, int, int]],
     ) -> int:
-        return estimate_prompt_tokens(
-            self.loaded.processor, self.loaded.family, conversation, image_sizes, video_sizes
+        family = self.loaded.family
+        return self.processors.estimate(
+            lambda processor: estimate_prompt_tokens(
+                processor, family, conversation, image_sizes, video_sizes
+            )
         )
+
+
+def _media_bytes(conversation: list[dict[str, Any]]) -> int:
+    total = 0
+    for message in conversation:
+        for part in message["content"]:
+            if part["type"] == "image":
+                total += image_bytes(part["image"])
+            elif part["type"] == "video":
+                total += sum(image_bytes(frame) for frame in part["video"])
+    return total

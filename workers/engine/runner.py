@@ -1,7 +1,9 @@
 """Predict step: one padded micro-batch through ``processor`` and ``model.generate``.
 
-collate (chat template, left padding) → generate (per-row limits, stops,
-sampling) → trim each prompt → ``batch_decode(skip_special_tokens=True)``.
+collate (chat template, left padding; any thread, with that thread's processor) → generate
+(per-row limits, stops, sampling; the model's thread) → trim each prompt →
+``batch_decode(skip_special_tokens=True)``. On CUDA the collated tensors are pinned where
+they were made, so the model thread's host-to-device copy is non-blocking.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vlmq.config.errors import OutOfMemory
 from vlmq.config.schemas import FinishReason, TextPart
 from vlmq.config.settings import EXIT_INJECTED_CRASH, FaultInjection
 from vlmq.workers.engine.controls import RowSampler, RowSampling, RowStopper
+from vlmq.workers.engine.interface import Collated
 from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.prepare import Prepared
 
@@ -86,8 +89,12 @@ class BatchRunner:
         loaded: LoadedModel,
         faults: FaultInjection | None = None,
         fixed_output_length: bool = False,
+        processor_device: str | None = None,
     ) -> None:
         self.loaded = loaded
+        # Where the image and video processors compute (the torchvision ones take a device):
+        # the model's GPU, so resizing and normalising leave the CPU; None: where they are.
+        self.processor_device = processor_device
         self.faults = faults or FaultInjection()
         self.fixed_output_length = fixed_output_length
         tokenizer = loaded.tokenizer
@@ -96,9 +103,19 @@ class BatchRunner:
         self.eos_ids = {int(i) for i in eos_ids if i is not None} | {int(tokenizer.eos_token_id)}
         self.pad_id = int(tokenizer.pad_token_id)
 
-    def collate(self, items: Sequence[Prepared]) -> Any:
-        """One processor call for the whole micro-batch, left padded."""
+    def collate(self, items: Sequence[Prepared], processor: Any) -> Collated:
+        """One processor call for the whole micro-batch, left padded; pinned on CUDA."""
+        started = time.perf_counter()
+        inputs = self._apply_template(items, processor)
+        pinned = self.loaded.device.startswith("cuda")
+        if pinned:  # pinned host memory: the copy to the device can overlap (non_blocking)
+            inputs = {k: _pinned(v) for k, v in inputs.items()}
+        return Collated(list(items), inputs, time.perf_counter() - started, pinned)
+
+    def _apply_template(self, items: Sequence[Prepared], processor: Any) -> Any:
         processor_kwargs: dict[str, Any] = {"padding": True}
+        if self.processor_device:
+            processor_kwargs["device"] = self.processor_device
         metadata = [
             part["metadata"]
             for item in items
@@ -109,7 +126,7 @@ class BatchRunner:
         if metadata:
             # Frames are already sampled; the metadata places them in time.
             processor_kwargs |= {"do_sample_frames": False, "video_metadata": metadata}
-        return self.loaded.processor.apply_chat_template(
+        return processor.apply_chat_template(
             [item.conversation for item in items],
             tokenize=True,
             add_generation_prompt=True,
@@ -118,13 +135,11 @@ class BatchRunner:
             processor_kwargs=processor_kwargs,
         )
 
-    def generate(self, items: Sequence[Prepared]) -> list[Completion]:
+    def generate(self, collated: Collated) -> list[Completion]:
+        items = collated.items
         self._inject_faults(items)
-        collate_started = time.perf_counter()
-        inputs = self.collate(items)
-        collate_s = time.perf_counter() - collate_started
-        self._check_context(items, inputs["attention_mask"])
-        inputs = self._to_device(inputs)
+        self._check_context(items, collated.inputs["attention_mask"])
+        inputs = self._to_device(collated.inputs, non_blocking=collated.pinned)
         started = time.perf_counter()
         try:
             output, stopper = self._generate(items, inputs)
@@ -135,7 +150,7 @@ class BatchRunner:
         elapsed = time.perf_counter() - started
         completions = self._unbatch(items, inputs, output, stopper, elapsed)
         for completion in completions:
-            completion.collate_s = collate_s
+            completion.collate_s = collated.collate_s
         return completions
 
     def _inject_faults(self, items: Sequence[Prepared]) -> None:
@@ -156,12 +171,12 @@ class BatchRunner:
         if over:
             raise RowsTooLong(over)
 
-    def _to_device(self, inputs: Any) -> Any:
+    def _to_device(self, inputs: Any, non_blocking: bool = False) -> Any:
         model = self.loaded.model
         moved = {}
         for key, value in inputs.items():
             if isinstance(value, torch.Tensor):
-                value = value.to(model.device)
+                value = value.to(model.device, non_blocking=non_blocking)
                 if value.is_floating_point():
                     value = value.to(model.dtype)
             moved[key] = value
@@ -215,7 +230,7 @@ class BatchRunner:
             self._trim(output[i, prompt_length:].tolist(), self._row_limit(i, items, stopper))
             for i in range(len(items))
         ]
-        texts = self.loaded.processor.batch_decode(
+        texts = self.loaded.tokenizer.batch_decode(
             [ids for ids, _ in rows], skip_special_tokens=True
         )
         batch_id = uuid.uuid4().hex[:12]
@@ -261,3 +276,10 @@ def _cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     if not positions:
         return text, False
     return text[: min(positions)], True
+
+
+def _pinned(value: Any) -> Any:
+    """A host tensor in pinned memory; anything else (a tensor already on the device) as is."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        return value.pin_memory()
+    return value

@@ -1,58 +1,56 @@
-"""The worker's batch loop: pull → triage → run → settle, per modality class.
+"""The worker's batch loop: pull → admit → prepare → plan → collate → generate → settle.
 
-One loop per worker process, one model. Each turn takes one class's batch: it waits for the
-first message, keeps pulling until the class's maximum batch size or maximum wait, hands the
-batch to :class:`~vlmq.workers.fleet.triage.Triage` (which drops, expires and dead-letters what
-must not run and starts the rest), runs it through the engine (requests delivered more than
-once run alone, so a request that crashes the worker cannot take its batch-mates down with it),
-then gives each result to the settler. The loop builds none of its collaborators:
-:func:`~vlmq.workers.fleet.service.compose_loop` does.
+One loop per worker process, one model. A turn pulls one class's batch (waiting for the first
+message, then until the class's maximum batch size or maximum wait), admits it (``Triage``:
+drop, expire, dead-letter), prepares its requests on the prepare pool, cuts micro-batches
+(requests delivered more than once run alone, last, after their batch-mates' results are
+safe, so a request that crashes the worker cannot take them down with it), collates them, and
+generates each on this thread, starting it (→ running) right before its engine call. With
+``worker.pipeline`` on (the default) pulling, preparing and collating run ahead in their own
+threads (``Pipeline``) while this thread generates; off, every stage runs in turn here. The
+loop builds none of its collaborators: :func:`~vlmq.workers.fleet.service.compose_loop` does.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.config.errors import GenerationFailed
 from vlmq.config.logs import log_context
 from vlmq.config.queues import queue_depth
-from vlmq.config.schemas import Request, Result
-from vlmq.config.settings import BatchPolicy, FleetSettings
+from vlmq.config.schemas import Result
+from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
 from vlmq.config.statusdb import StatusDB
+from vlmq.workers.engine.interface import Collated, GenerationEngine
+from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.intake import Held, Intake, Leases, Pull
 from vlmq.workers.fleet.observer import LoopObserver
+from vlmq.workers.fleet.pipeline import Pipeline
 from vlmq.workers.fleet.settle import Settler
+from vlmq.workers.fleet.stages import Job, Planned, StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.work import Work, failed_result, result_settlement
 
-__all__ = ["BatchLoop", "EngineLike", "LoopParts"]
+__all__ = ["BatchLoop", "LoopParts"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineLike(Protocol):
-    model_name: str
-
-    def run(
-        self,
-        requests: Sequence[Request],
-        worker: str | None = None,
-        token_budget: int | None = None,
-    ) -> list[Result]: ...
 
 
 @dataclass
 class LoopParts:
     """Everything the loop works with, built by ``compose_loop``."""
 
-    engine: EngineLike
+    engine: GenerationEngine
     status: StatusDB
     intakes: dict[str, Intake]
     leases: Leases
@@ -61,6 +59,9 @@ class LoopParts:
     triage: Triage
     housekeeper: Housekeeper
     observer: LoopObserver
+    prepare_pool: ThreadPoolExecutor
+    collate_pool: ThreadPoolExecutor
+    clock: StageClock
 
 
 class BatchLoop:
@@ -69,11 +70,13 @@ class BatchLoop:
     def __init__(
         self,
         fleet: FleetSettings,
+        worker_settings: WorkerSettings,
         policies: dict[str, BatchPolicy],
         worker: str,
         parts: LoopParts,
     ) -> None:
         self.fleet = fleet
+        self.worker_settings = worker_settings
         self.policies = policies
         self.worker = worker
         self.parts = parts
@@ -83,13 +86,27 @@ class BatchLoop:
         # When the running engine call began (monotonic); None between calls.
         self.engine_started: float | None = None
         self.batches_done = 0
+        self.pipeline: Pipeline | None = None
         self._turn = 0
 
     # heartbeat ---------------------------------------------------------------
-    def heartbeat(self) -> bool:
-        """Renew leases unless the running engine call is stuck; False means give up."""
+    def stuck(self) -> str | None:
+        """What is stuck past its time limit (an engine call, or a stage on one item)."""
         started = self.engine_started
         if started is not None and time.monotonic() - started > self.fleet.batch_time_limit_s:
+            return f"an engine call exceeded {self.fleet.batch_time_limit_s}s"
+        longest = self.parts.clock.longest_running()
+        if (
+            longest
+            and longest[0] != "generate"
+            and longest[1] > self.worker_settings.stage_time_limit_s
+        ):
+            return f"the {longest[0]} stage exceeded {self.worker_settings.stage_time_limit_s}s"
+        return None
+
+    def heartbeat(self) -> bool:
+        """Renew leases unless something is stuck; False means give up."""
+        if self.stuck() is not None:
             return False
         parts = self.parts
         lost = parts.leases.renew(parts.held.tokens(), self.fleet.lease_s)
@@ -105,15 +122,42 @@ class BatchLoop:
             log.warning("queue depth could not be read", exc_info=True)
         else:
             parts.observer.heartbeat(depths, getattr(self.engine, "stats", None))
+        parts.observer.pipeline(
+            self.pipeline.depths() if self.pipeline else {}, *parts.clock.snapshot()
+        )
         return True
 
     # the loop ----------------------------------------------------------------
     def run_forever(self) -> None:
+        if self.worker_settings.pipeline:
+            self._run_pipelined()
+        else:
+            self._run_serial()
+
+    def _run_serial(self) -> None:
+        self._repeat(self._turn_once)
+
+    def _run_pipelined(self) -> None:
+        # Process-wide, on purpose: every stage thread must hand the GIL back to this one fast.
+        sys.setswitchinterval(self.worker_settings.gil_switch_interval_s)
+        idle = (self.fleet.idle_poll_min_s, self.fleet.idle_poll_max_s)
+        self.pipeline = Pipeline(
+            self.worker_settings,
+            self._admit_when_room,
+            self._plan,
+            self._give_back_job,
+            self.stop_event,
+            idle,
+        ).start()
+        self._repeat(self._generate_next)
+
+    def _repeat(self, step: Callable[[], bool]) -> None:
+        """Run ``step`` until stopped, backing off while it finds nothing to do."""
         idle = self.fleet.idle_poll_min_s
         outage = 0.1
         while not self.stop_event.is_set():
             try:
-                busy = self._turn_once()
+                busy = step()
             except TRANSIENT_REDIS_ERRORS as exc:
                 # Redis restarted, unreachable, loading, read-only or full: what this worker
                 # holds stays leased (or is swept back by then); retry until it answers.
@@ -129,22 +173,67 @@ class BatchLoop:
                 idle = min(idle * 2, self.fleet.idle_poll_max_s)
 
     def _turn_once(self) -> bool:
+        """One batch through every stage, here (the serial loop)."""
         self.parts.housekeeper.tick()
         if self.parts.settler.backlog > self.fleet.max_settle_backlog:
             time.sleep(0.002)  # the store is slow or down: do not pull more
             return True
-        return self.run_once() > 0
+        job = self._admit_next()
+        if job is None:
+            return False
+        for planned in self._plan_or_give_back(job):
+            self._generate_or_give_back(planned)
+        return True
 
-    def run_once(self) -> int:
-        """Pull and serve one batch of one class; returns messages handled."""
+    def _generate_next(self) -> bool:
+        """The next micro-batch the pipeline made ready, if one comes within 50 ms (the
+        wait is the pipelined loop's idle pause)."""
+        self.parts.housekeeper.tick()
+        assert self.pipeline is not None
+        planned = self.pipeline.take(timeout_s=0.05)
+        if planned is not None:
+            try:
+                self._generate_or_give_back(planned)
+            finally:
+                self.pipeline.done(planned)
+        return True
+
+    def _admit_when_room(self) -> Job | None:
+        if self.parts.settler.backlog > self.fleet.max_settle_backlog:
+            return None  # the store is slow or down: do not pull more
+        return self._admit_next()
+
+    # pull and admit ------------------------------------------------------------
+    def _admit_next(self) -> Job | None:
+        """Pull the next class's batch (classes take turns), admit it and hand its requests
+        to the prepare pool; None when every class is empty."""
         order = self.modalities[self._turn :] + self.modalities[: self._turn]
         self._turn = (self._turn + 1) % len(self.modalities)
         for modality in order:
             pull = self._gather(modality)
             if pull.deliveries or pull.dropped:
-                self._serve_or_give_back(modality, pull)
-                return len(pull.deliveries) + pull.dropped
-        return 0
+                return self._admit(modality, pull)
+        return None
+
+    def _admit(self, modality: str, pull: Pull) -> Job:
+        try:
+            with self.parts.clock.timing("admit"):
+                works = self.parts.triage.admit(pull)
+        except BaseException:
+            self._give_back([d.task_id for d in pull.deliveries])
+            raise
+        futures = [self.parts.prepare_pool.submit(self._prepare, w) for w in works]
+        return Job(modality, works, futures)
+
+    def _prepare(self, work: Work) -> Prepared:
+        assert work.request is not None
+        with self.parts.clock.timing("prepare"):
+            try:
+                return self.engine.prepare(work.request)
+            except Exception:  # an engine that broke its never-raises contract: this one fails
+                log.exception("preparing task %s failed", work.task_id)
+                error = GenerationFailed("preparing this request failed")
+                return Prepared(work.request, 0, error=error)
 
     def _pull(self, intake: Intake, limit: int) -> Pull:
         pull = intake.pull(limit, self.fleet.lease_s)
@@ -165,94 +254,178 @@ class BatchLoop:
                 time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
         return Pull(got, now, dropped)
 
-    # one batch ---------------------------------------------------------------
-    def _serve_or_give_back(self, modality: str, pull: Pull) -> None:
-        """Serve a pulled batch; if anything fails on the way, what it still holds goes back
-        (at once, or by its lease lapsing when Redis cannot take it now): nothing pulled is
-        held and renewed without being worked on."""
+    # plan and collate ----------------------------------------------------------
+    def _plan_or_give_back(self, job: Job) -> list[Planned]:
         try:
-            self._serve(modality, pull)
+            return self._plan(job)
         except BaseException:
-            ids = [d.task_id for d in pull.deliveries]
-            held = self.parts.held.tokens(ids)
-            log.warning("giving back %d tasks of a batch that failed", len(held))
-            try:
-                self.parts.leases.give_back(held)
-            except Exception:
-                log.warning("could not give them back; their leases will lapse", exc_info=True)
-            self.parts.held.release(ids)
+            self._give_back_job(job)
             raise
 
-    def _serve(self, modality: str, pull: Pull) -> None:
-        runnable = self.parts.triage.runnable(pull)
-        if not runnable:
+    def _plan(self, job: Job) -> list[Planned]:
+        """Wait for the batch's requests to be prepared, settle those that failed, cut the
+        rest into micro-batches (requests that ran before alone, least-tried first, last)
+        and hand them to the collate pool."""
+        prepared = [future.result() for future in job.prepared]
+        with self.parts.clock.timing("plan"):
+            ready: list[tuple[Work, Prepared]] = []
+            failed = []
+            for work, item in zip(job.works, prepared, strict=True):
+                if item.error is None:
+                    ready.append((work, item))
+                else:
+                    failed.append(result_settlement(work, self._rejected(item), self.worker))
+            for settlement in failed:
+                self._report(settlement.record)
+            self.parts.settler.submit_many(failed)
+            work_of = {id(item): work for work, item in ready}
+            fresh = [item for work, item in ready if work.first_run]
+            suspects = sorted(
+                (p for w, p in ready if not w.first_run), key=lambda p: work_of[id(p)].attempts
+            )
+            budget = self.policies[job.modality].token_budget
+            batches = [(batch, False) for batch in self.engine.plan(fresh, budget)]
+            batches += [([item], True) for item in suspects]
+        planned = [
+            Planned(
+                job,
+                [work_of[id(p)] for p in batch],
+                self._collate_later(batch, budget),
+                suspect,
+                items=batch,
+            )
+            for batch, suspect in batches
+        ]
+        job.media_bytes = sum(item.media_bytes for _, item in ready)
+        return planned
+
+    def _rejected(self, item: Prepared) -> Result:
+        try:
+            return self.engine.reject(item, self.worker)
+        except Exception as exc:  # an engine without rejections of its own
+            return failed_result(item.request, item.error or exc, self.engine.model_name)
+
+    def _collate_later(self, batch: list[Prepared], budget: int) -> Future[Collated]:
+        def collate() -> Collated:
+            with self.parts.clock.timing("collate"):
+                collated = self.engine.collate(batch)
+            collated.token_budget = budget
+            return collated
+
+        return self.parts.collate_pool.submit(collate)
+
+    # generate --------------------------------------------------------------------
+    def _generate_or_give_back(self, planned: Planned) -> None:
+        try:
+            self._generate(planned)
+        except BaseException:
+            self._give_back([w.task_id for w in planned.works])
+            raise
+
+    def _generate(self, planned: Planned) -> None:
+        parts = self.parts
+        if planned.suspect and not parts.settler.drain(self.fleet.suspect_drain_timeout_s):
+            # Settle batch-mates before a risky run; the wait has its own bound, apart from
+            # the engine call's time limit.
+            log.warning("results still unsettled before a suspect run; running it anyway")
+        collated = self._collated(planned)
+        started = parts.triage.start(planned.works)
+        if not started:
             return
-        redelivered = sum(1 for w in runnable if w.token > 1)
-        max_size = self.policies[modality].max_batch_size
-        self.parts.observer.batch(modality, len(runnable), max_size, redelivered)
+        if len(started) < len(planned.works):  # some were cancelled while they waited
+            running = {w.task_id for w in started}
+            kept = [
+                p
+                for p, w in zip(collated.items, planned.works, strict=True)
+                if w.task_id in running
+            ]
+            collated = self.engine.collate(kept)
+            collated.token_budget = self.policies[planned.job.modality].token_budget
         batch_id = uuid.uuid4().hex[:12]
+        modality = planned.job.modality
+        redelivered = sum(1 for w in started if w.token > 1)
+        max_size = self.policies[modality].max_batch_size
+        parts.observer.batch(modality, len(started), max_size, redelivered)
+        # From planned to generating: collation and the wait for the model.
+        waited = round(time.monotonic() - planned.ready_at, 4)
         with log_context(worker=self.worker, batch_id=batch_id):
-            log.info("batch %s: %d %s requests", batch_id, len(runnable), modality)
-            try:
-                self._run_batch(runnable)
-            finally:
-                self.batches_done += 1
+            log.info("batch %s: %d %s requests", batch_id, len(started), modality)
+            results = {r.id: r for r in self._run_engine(collated, started)}
+        settlements = []
+        for work in started:
+            missing = RuntimeError("the engine returned no result")
+            result = results.get(work.task_id) or failed_result(
+                work.requested, missing, self.engine.model_name
+            )
+            settlement = result_settlement(work, result, self.worker)
+            settlement.record["timings"]["wait_s"] = waited
+            settlements.append(settlement)
+            self._report(settlement.record)
+        parts.settler.submit_many(settlements)
+        self.batches_done += 1
 
-    def _run_batch(self, runnable: list[Work]) -> None:
-        # A request that ran before without finishing (its worker died) runs alone,
-        # least-tried first, so a request that kills its worker cannot take its batch-mates
-        # down with it again.
-        fresh = [w for w in runnable if w.first_run]
-        suspects = sorted((w for w in runnable if not w.first_run), key=lambda w: w.attempts)
-        if fresh:  # their attempt was counted when they started
-            self._run_group(fresh)
-        for suspect in suspects:
-            # Settle everything before each risky run: if it kills the process, the results
-            # of its batch-mates are already safe. The wait has its own bound, apart from the
-            # engine call's time limit.
-            if not self.parts.settler.drain(self.fleet.suspect_drain_timeout_s):
-                log.warning("results still unsettled before a suspect run; running it anyway")
-            self.parts.triage.count_attempt([suspect])
-            self._run_group([suspect])
+    def _collated(self, planned: Planned) -> Collated:
+        """The micro-batch's collated inputs; when collating raised (the HF engine never
+        does: it leaves a failed collation for generate to isolate), once more here, and
+        failing that the bare items, for the engine call to fail request by request."""
+        try:
+            return planned.collated.result()
+        except Exception:
+            log.warning("collating a micro-batch failed; retrying here", exc_info=True)
+        items = planned.items
+        try:
+            return self.engine.collate(items)
+        except Exception:
+            log.exception("collating a micro-batch failed again")
+            return Collated(items, None, 0.0)
 
-    def _run_group(self, group: list[Work]) -> None:
-        requests = [w.request for w in group if w.request is not None]
+    def _run_engine(self, collated: Collated, started: list[Work]) -> list[Result]:
+        """Hand the micro-batch to the engine and collect its results; an engine that
+        raises fails each request (never drops one)."""
         self.engine_started = time.monotonic()
         try:
-            results = self.engine.run(
-                requests, worker=self.worker, token_budget=self._budget(group)
-            )
-        except Exception as exc:  # the engine itself broke: fail each, never drop
-            log.exception("engine failed on a batch of %d", len(requests))
-            results = [failed_result(r, exc, self.engine.model_name) for r in requests]
+            with self.parts.clock.timing("generate"):
+                self.engine.submit(collated)
+                return self.engine.poll(self.worker)
+        except Exception as exc:
+            log.exception("engine failed on a batch of %d", len(started))
+            return [failed_result(w.requested, exc, self.engine.model_name) for w in started]
         finally:
             self.engine_started = None
-        settlements = [
-            result_settlement(item, result, self.worker)
-            for item, result in zip(group, results, strict=True)
-        ]
-        for settlement in settlements:
-            self._report(settlement.record)
-        self.parts.settler.submit_many(settlements)
 
     def _report(self, record: dict[str, Any]) -> None:
         self.parts.observer.result(record)
         with log_context(task_id=record["id"], job_id=record.get("job_id")):
             log.info("task %s %s", record["id"], record["status"])
 
-    def _budget(self, group: list[Work]) -> int | None:
-        """The padded-token budget of the group's class (its batch policy)."""
-        request = group[0].request if group else None
-        policy = self.policies.get(request.modality.value) if request else None
-        return policy.token_budget if policy else None
+    # giving back -----------------------------------------------------------------
+    def _give_back(self, task_ids: list[str]) -> None:
+        """What failed on its way goes back at once, or, when Redis cannot take even that,
+        by its lease lapsing: nothing pulled is held and renewed without being worked on."""
+        held = self.parts.held.tokens(task_ids)
+        if held:
+            log.warning("giving back %d tasks", len(held))
+            try:
+                self.parts.leases.give_back(held)
+            except Exception:
+                log.warning("could not give them back; their leases will lapse", exc_info=True)
+        self.parts.held.release(task_ids)
+
+    def _give_back_job(self, job: Job) -> None:
+        self._give_back([w.task_id for w in job.works])
 
     # shutdown ----------------------------------------------------------------
     def stop(self) -> None:
         self.stop_event.set()
 
     def shutdown(self, drain_timeout_s: float = 60.0) -> None:
-        """After the loop returned: finish uploads, give back what never ran."""
+        """After the loop returned: stop the stages, finish uploads, give back what never
+        ran (everything prefetched is still queued)."""
         parts = self.parts
+        if self.pipeline is not None:
+            self.pipeline.join(timeout_s=5.0)
+        for pool in (parts.prepare_pool, parts.collate_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         parts.settler.drain(drain_timeout_s)
         leftover = parts.held.tokens()
         if leftover:

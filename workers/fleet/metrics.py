@@ -61,6 +61,33 @@ class WorkerMetrics(LoopObserver):
         self.dropped_copies = counter(
             "vlmq_dropped_copies", "Copies of finished or live-held tasks dropped at pull", []
         )
+        self.stage_busy = counter(
+            "vlmq_stage_busy_seconds", "Seconds each pipeline stage was busy", ["stage"]
+        )
+        self.pipeline_depth = Gauge(
+            "vlmq_pipeline_depth",
+            "Items between pipeline stages (prefetch_bytes: decoded bytes held ahead)",
+            ["handoff"],
+            registry=registry,
+        )
+        self.model_busy = Gauge(
+            "vlmq_model_busy_ratio",
+            "Share of wall time the model spent generating, since the last heartbeat",
+            [],
+            registry=registry,
+        )
+        self.cache_lookups = counter(
+            "vlmq_media_cache_lookups",
+            "Media cache lookups (decoded media, processor outputs)",
+            ["outcome"],
+        )
+        self.cache_evictions = counter("vlmq_media_cache_evictions", "Media cache evictions", [])
+        self.cache_bytes = Gauge(
+            "vlmq_media_cache_bytes", "Bytes held by the media cache", [], registry=registry
+        )
+        self._cache_seen = (0, 0, 0)
+        self._busy_seen: dict[str, float] = {}
+        self._wall_seen = 0.0
         self._oom_seen = 0
 
     def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
@@ -110,9 +137,30 @@ class WorkerMetrics(LoopObserver):
         if engine_stats is not None:
             self._engine(engine_stats)
 
+    def pipeline(
+        self, depths: Mapping[str, int], wall_s: float, busy_s: Mapping[str, float]
+    ) -> None:
+        for handoff, depth in depths.items():
+            self.pipeline_depth.labels(handoff).set(depth)
+        for stage, seconds in busy_s.items():
+            self.stage_busy.labels(stage).inc(max(0.0, seconds - self._busy_seen.get(stage, 0.0)))
+        window = wall_s - self._wall_seen
+        if window > 0:
+            generated = busy_s.get("generate", 0.0) - self._busy_seen.get("generate", 0.0)
+            self.model_busy.set(min(1.0, generated / window))
+        self._busy_seen, self._wall_seen = dict(busy_s), wall_s
+
     def _engine(self, stats: Any) -> None:
         """Engine counters are cumulative; export the increase."""
         total = int(getattr(stats, "oom_splits", 0))
         if total > self._oom_seen:
             self.oom_splits.inc(total - self._oom_seen)
             self._oom_seen = total
+        cache = getattr(stats, "cache", None)
+        if cache is not None:
+            hits, misses, evictions = self._cache_seen
+            self.cache_lookups.labels("hit").inc(max(0, cache.hits - hits))
+            self.cache_lookups.labels("miss").inc(max(0, cache.misses - misses))
+            self.cache_evictions.inc(max(0, cache.evictions - evictions))
+            self.cache_bytes.set(cache.bytes)
+            self._cache_seen = (cache.hits, cache.misses, cache.evictions)

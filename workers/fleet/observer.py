@@ -44,6 +44,12 @@ class LoopObserver:
     def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
         """The heartbeat ran: queue depths per class, the engine's cumulative counters."""
 
+    def pipeline(
+        self, depths: Mapping[str, int], wall_s: float, busy_s: Mapping[str, float]
+    ) -> None:
+        """The heartbeat ran: hand-off depths, seconds since start, busy seconds per stage
+        (``generate`` over wall is the model-busy fraction)."""
+
     def close(self) -> None:
         """The worker stops."""
 
@@ -84,6 +90,11 @@ class Observers(LoopObserver):
 
     def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
         self._each("heartbeat", queue_depths, engine_stats)
+
+    def pipeline(
+        self, depths: Mapping[str, int], wall_s: float, busy_s: Mapping[str, float]
+    ) -> None:
+        self._each("pipeline", depths, wall_s, busy_s)
 
     def close(self) -> None:
         self._each("close")

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -28,13 +29,15 @@ from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import Settings
 from vlmq.config.statusdb import StatusDB
+from vlmq.workers.engine.interface import as_generation_engine
 from vlmq.workers.fleet.events import TaskEvents
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.intake import Held, Intake, Leases
-from vlmq.workers.fleet.loop import BatchLoop, EngineLike, LoopParts
+from vlmq.workers.fleet.loop import BatchLoop, LoopParts
 from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.fleet.observer import LoopObserver, Observers
 from vlmq.workers.fleet.settle import Settler
+from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.webhooks import WebhookSender
 
@@ -48,7 +51,7 @@ EXIT_STUCK = 70
 def compose_loop(
     settings: Settings,
     modalities: Sequence[str],
-    engine: EngineLike,
+    engine: Any,
     worker: str,
     redis: Redis,
     store: ResultStore,
@@ -71,8 +74,9 @@ def compose_loop(
         injected_errors=settings.engine.faults.settle_errors,
     )
     webhooks = WebhookSender(status, settings.webhooks)
+    threads = settings.worker.preprocess_workers or max(1, (os.cpu_count() or 2) - 1)
     parts = LoopParts(
-        engine=engine,
+        engine=as_generation_engine(engine),
         status=status,
         intakes={m: Intake(status.scripts, keys, m) for m in modalities},
         leases=leases,
@@ -81,8 +85,14 @@ def compose_loop(
         triage=Triage(status, leases, held, settler, observer, worker, engine.model_name, fleet),
         housekeeper=Housekeeper(status, leases, webhooks, fleet.reap_interval_s),
         observer=observer,
+        # Fetching waits on the network and decoding releases the GIL (measured): threads,
+        # twice as many for preparing as for collating (each collating thread loads a
+        # processor of its own).
+        prepare_pool=ThreadPoolExecutor(2 * threads, thread_name_prefix="prepare"),
+        collate_pool=ThreadPoolExecutor(threads, thread_name_prefix="collate"),
+        clock=StageClock(),
     )
-    return BatchLoop(fleet, settings.batch, worker, parts)
+    return BatchLoop(fleet, settings.worker, settings.batch, worker, parts)
 
 
 class WorkerService:
@@ -170,8 +180,7 @@ class WorkerService:
                 log.critical("the heartbeat failed; exiting so leases lapse", exc_info=True)
                 os._exit(EXIT_STUCK)
             if not alive:
-                limit = self.settings.fleet.batch_time_limit_s
-                log.critical("an engine call exceeded %ss; exiting", limit)
+                log.critical("%s; exiting", self.loop.stuck() or "stuck")
                 os._exit(EXIT_STUCK)
             self._announce()
 
@@ -184,6 +193,10 @@ class WorkerService:
             "pid": os.getpid(),
             "at": time.time(),
             "batches": self.loop.batches_done,
+            # Tasks this worker holds (running, prefetched, settling) and the pipeline's
+            # hand-offs: what a kill of this worker would send back to the queue.
+            "held": len(self.loop.parts.held),
+            "pipeline": self.loop.pipeline.depths() if self.loop.pipeline else None,
             "model": self.engine.model_name,
             "engine": _engine_stats(self.engine),
         }
@@ -215,4 +228,8 @@ def _engine_stats(engine: Any) -> dict[str, Any]:
     stats = getattr(engine, "stats", None)
     if stats is None:
         return {}
-    return {k: v for k, v in vars(stats).items() if k != "batch_sizes"}
+    return {
+        k: vars(v) if hasattr(v, "__dataclass_fields__") else v  # the media cache's counters
+        for k, v in vars(stats).items()
+        if k != "batch_sizes"
+    }

@@ -1,12 +1,14 @@
-"""Between pull and engine: decode each message, drop what must not run, start the rest.
+"""Between pull and engine: decode each message and drop what must not run (``admit``, at
+pull), then move what runs to ``running`` right before its engine call (``start``).
 
 Any message from any producer either runs or fails alone as ``invalid_request`` with a status
 and a result record; nothing about a message can make the worker exit. A message delivered
 ``max_unstarted_deliveries`` times without ever starting (each holder died handling it) is
 dead-lettered before it is even decoded. A task past its expiry (on Redis's clock) is expired;
 one that ran ``max_deliveries`` times without finishing (its worker died each time) is
-dead-lettered. What is left moves to ``running`` in one fenced script call; a task cancelled or
-expired since it was pulled, or delivered to someone else since, is let go instead.
+dead-lettered. ``start`` checks expiry again and moves a micro-batch to ``running`` in one
+fenced script call, counting each an attempt; a task cancelled or expired while it waited in
+the pipeline, or delivered to someone else since, is let go instead.
 """
 
 from __future__ import annotations
@@ -55,12 +57,12 @@ class Triage:
         self.model = model
         self.fleet = fleet
 
-    def runnable(self, pull: Pull) -> list[Work]:
-        """The pulled work that runs now, moved to running; everything else is settled."""
+    def admit(self, pull: Pull) -> list[Work]:
+        """The pulled work that may run (still queued); everything else is settled."""
         if pull.dropped:
             self.observer.dropped(pull.dropped)
         work = [item for item in map(self._decode, pull.deliveries) if item is not None]
-        return self._start([item for item in work if self._admit(item, pull.now)])
+        return [item for item in work if self._admit(item, pull.now)]
 
     # decode ------------------------------------------------------------------
     def _decode(self, delivery: Delivery) -> Work | None:
@@ -134,45 +136,38 @@ class Triage:
         self.settler.submit_many([failure_settlement(item, error, state, self.worker, self.model)])
 
     # start -------------------------------------------------------------------
-    def _start(self, work: list[Work]) -> list[Work]:
-        """Move every admitted request to running in one fenced script call; a first run
-        counts its attempt in the same step (one that ran before counts it when it runs
-        alone, ``count_attempt``)."""
-        if not work:
-            return []
-        moves = []
+    def start(self, work: list[Work]) -> list[Work]:
+        """Move a micro-batch to running, right before its engine call, in one fenced script
+        call that also counts each an attempt; expired ones are settled, cancelled ones and
+        those another holder has now are let go."""
+        seconds, micros = self.status.redis.time()
+        now = seconds + micros / 1e6
+        live = []
         for item in work:
-            assert item.request is not None
-            fields = {"worker": self.worker, "modality": item.request.modality.value}
-            if not item.status.get("job_id") and item.request.job_id:
-                fields["job_id"] = item.request.job_id
-            fresh = item.attempts == 0
-            moves.append(
-                Move(item.task_id, TaskState.RUNNING, fields, item.token, "started_at", fresh)
-            )
+            if self._expired(item, now):
+                self.fail(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
+            else:
+                live.append(item)
+        moves = [self._start_move(item) for item in live]
         started_at = f"{time.time():.6f}"
         started, ended = [], {}
-        for item, move, (_, moved, held) in zip(
-            work, moves, self.status.fenced_moves(moves), strict=True
-        ):
+        for item, (_, moved, held) in zip(live, self.status.fenced_moves(moves), strict=True):
             if moved:
                 item.status["started_at"] = started_at
-                if move.count_attempt:
-                    item.status["attempts"] = "1"
+                item.status["attempts"] = str(item.attempts + 1)
                 started.append(item)
-            elif held:  # cancelled or expired while it was held: it will not run
+            elif held:  # cancelled while it waited: it will not run
                 ended[item.task_id] = item.token
             # else: delivered to another holder since; that holder has it now
         self.leases.ack(ended)
         running = {item.task_id for item in started}
-        self.held.release(item.task_id for item in work if item.task_id not in running)
+        self.held.release(item.task_id for item in live if item.task_id not in running)
         self.observer.started([item.task_id for item in started])
         return started
 
-    def count_attempt(self, group: list[Work]) -> None:
-        """A request that ran before counts an attempt each time it runs again."""
-        pipe = self.status.redis.pipeline(transaction=False)
-        for item in group:
-            pipe.hincrby(self.status.keys.task(item.task_id), "attempts", 1)
-        for item, attempts in zip(group, pipe.execute(), strict=True):
-            item.status["attempts"] = str(attempts)
+    def _start_move(self, item: Work) -> Move:
+        assert item.request is not None
+        fields = {"worker": self.worker, "modality": item.request.modality.value}
+        if not item.status.get("job_id") and item.request.job_id:
+            fields["job_id"] = item.request.job_id
+        return Move(item.task_id, TaskState.RUNNING, fields, item.token, "started_at", True)

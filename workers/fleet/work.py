@@ -32,6 +32,13 @@ class Work:
         return self.delivery.token
 
     @property
+    def requested(self) -> Request:
+        """The decoded request (every admitted item has one)."""
+        if self.request is None:
+            raise ValueError(f"task {self.task_id} was not decoded")
+        return self.request
+
+    @property
     def attempts(self) -> int:
         """Times this request was handed to an engine without finishing."""
         try:

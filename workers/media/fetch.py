@@ -59,20 +59,31 @@ class MediaFetcher:
         self._s3 = S3Fetcher(settings, s3_client_factory)
 
     def fetch(self, source: str, kind: MediaKind) -> bytes:
+        data, _ = self.fetch_versioned(source, kind)
+        assert data is not None  # nothing was named as known
+        return data
+
+    def fetch_versioned(
+        self, source: str, kind: MediaKind, known: str | None = None
+    ) -> tuple[bytes | None, str | None]:
+        """The bytes and, for a remote source, its version tag (ETag or Last-Modified):
+        with ``known`` (a tag seen before) a remote source is asked whether it changed, and
+        (None, known) means it did not (nothing downloaded). Local and inline sources have
+        no tag: their bytes are their identity."""
         if not isinstance(source, str) or not source:
             raise InvalidRequest("media source must be a non-empty string")
         cap, deadline = self._limits(kind)
         scheme = _scheme_of(source)
-        if scheme == "data":
-            return decode_data_uri(source, cap)
-        if scheme == "file":
-            return self._read_local(_file_url_path(source), cap)
         if scheme in ("http", "https"):
-            return self._http.fetch(source, cap, deadline)
+            return self._http.fetch_versioned(source, cap, deadline, known)
         if scheme == "s3":
-            return self._s3.fetch(source, cap, deadline)
+            return self._s3.fetch_versioned(source, cap, deadline, known)
+        if scheme == "data":
+            return decode_data_uri(source, cap), None
+        if scheme == "file":
+            return self._read_local(_file_url_path(source), cap), None
         if scheme is None:
-            return self._read_local(source, cap)
+            return self._read_local(source, cap), None
         raise InvalidRequest("unsupported media source scheme")
 
     def _limits(self, kind: str) -> tuple[int, Deadline]:

@@ -49,10 +49,13 @@ _USER_AGENT = "vlmq-media/0.1"
 
 @dataclass(frozen=True)
 class _Hop:
-    """One request's outcome: a body, or where the server redirected to."""
+    """One request's outcome: a body (with the server's version tag of it), "not modified"
+    (the version the caller named is current), or where the server redirected to."""
 
     body: bytes | None = None
     location: str | None = None
+    not_modified: bool = False
+    version: str | None = None
 
 
 class _Watchdog:
@@ -109,25 +112,34 @@ class HttpFetcher:
         # A custom context may add a private CA; it must keep verification on.
         self._tls_context = tls_context or ssl.create_default_context()
 
-    def fetch(self, url: str, cap: int, deadline: Deadline) -> bytes:
+    def fetch_versioned(
+        self, url: str, cap: int, deadline: Deadline, known: str | None = None
+    ) -> tuple[bytes | None, str | None]:
+        """The body and the server's version tag of it (``etag:…`` or ``modified:…``, None
+        when it sends neither); with ``known`` (a tag from before) a conditional GET, and
+        (None, known) when the server answers 304: the copy behind ``known`` is current."""
         target = parse_http_url(url)
         redirects = 0
         while True:
-            hop = self._fetch_hop(target, cap, deadline)
+            hop = self._fetch_hop(target, cap, deadline, known)
+            if hop.not_modified:
+                return None, known
             if hop.body is not None:
-                return hop.body
+                return hop.body, hop.version
             if redirects >= self._settings.max_redirects:
                 raise MediaFetchFailed("media URL redirects and redirects are not followed")
             redirects += 1
             target = _redirect_target(target, hop.location or "")
 
-    def _fetch_hop(self, target: HttpTarget, cap: int, deadline: Deadline) -> _Hop:
+    def _fetch_hop(
+        self, target: HttpTarget, cap: int, deadline: Deadline, known: str | None
+    ) -> _Hop:
         check_host_allowed(target.host, self._settings.allowed_hosts)
         addresses = resolve_host(target.host, target.port, self._resolver, deadline)
         check_addresses(addresses, self._settings.allow_private_addresses)
         with _Watchdog(deadline) as watchdog:
             try:
-                return self._connect_and_exchange(target, addresses, cap, deadline, watchdog)
+                return self._connect_and_exchange(target, addresses, cap, deadline, watchdog, known)
             except VlmqError:
                 if watchdog.fired.is_set():
                     raise _timed_out() from None
@@ -143,10 +155,11 @@ class HttpFetcher:
         cap: int,
         deadline: Deadline,
         watchdog: _Watchdog,
+        known: str | None,
     ) -> _Hop:
         conn = self._connect(target, addresses, deadline, watchdog)
         try:
-            hop = self._exchange(conn, target, cap, deadline)
+            hop = self._exchange(conn, target, cap, deadline, known)
         finally:
             conn.close()
         if watchdog.fired.is_set():
@@ -182,13 +195,18 @@ class HttpFetcher:
         return pinned_connection(target, address, timeout, self._tls_context, on_socket)
 
     def _exchange(
-        self, conn: http.client.HTTPConnection, target: HttpTarget, cap: int, deadline: Deadline
+        self,
+        conn: http.client.HTTPConnection,
+        target: HttpTarget,
+        cap: int,
+        deadline: Deadline,
+        known: str | None,
     ) -> _Hop:
-        _send_request(conn, target)
+        _send_request(conn, target, known)
         _set_timeout(conn, deadline)
         response = conn.getresponse()
         try:
-            return _handle_response(conn, response, cap, deadline)
+            return _handle_response(conn, response, cap, deadline, known is not None)
         finally:
             response.close()  # the response holds the socket open via makefile()
 
@@ -198,7 +216,10 @@ def _handle_response(
     response: http.client.HTTPResponse,
     cap: int,
     deadline: Deadline,
+    conditional: bool = False,
 ) -> _Hop:
+    if conditional and response.status == 304:
+        return _Hop(not_modified=True)
     if response.status in _REDIRECT_STATUSES:
         location = response.getheader("Location")
         if not location:
@@ -207,7 +228,16 @@ def _handle_response(
     _check_status(response.status)
     if response.length is not None and response.length > cap:
         raise MediaTooLarge("media is larger than the allowed size")
-    return _Hop(body=_read_body(conn, response, cap, deadline))
+    return _Hop(body=_read_body(conn, response, cap, deadline), version=_version_of(response))
+
+
+def _version_of(response: http.client.HTTPResponse) -> str | None:
+    """The server's tag for this body: its ETag, else its Last-Modified date."""
+    etag = response.getheader("ETag")
+    if etag:
+        return f"etag:{etag}"
+    modified = response.getheader("Last-Modified")
+    return f"modified:{modified}" if modified else None
 
 
 def _redirect_target(current: HttpTarget, location: str) -> HttpTarget:
@@ -219,8 +249,13 @@ def _redirect_target(current: HttpTarget, location: str) -> HttpTarget:
         raise MediaFetchFailed("media server redirected to an unusable URL") from None
 
 
-def _send_request(conn: http.client.HTTPConnection, target: HttpTarget) -> None:
+def _send_request(
+    conn: http.client.HTTPConnection, target: HttpTarget, known: str | None = None
+) -> None:
     conn.putrequest("GET", target.request_target, skip_accept_encoding=True)
+    if known is not None:
+        kind, _, value = known.partition(":")
+        conn.putheader("If-None-Match" if kind == "etag" else "If-Modified-Since", value)
     # identity: a compressed body would dodge the byte cap and fail to decode.
     conn.putheader("Accept-Encoding", "identity")
     conn.putheader("Accept", "*/*")

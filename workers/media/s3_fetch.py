@@ -57,7 +57,11 @@ class S3Fetcher:
         self._client: Any = None
         self._lock = threading.Lock()
 
-    def fetch(self, url: str, cap: int, deadline: Deadline) -> bytes:
+    def fetch_versioned(
+        self, url: str, cap: int, deadline: Deadline, known: str | None = None
+    ) -> tuple[bytes | None, str | None]:
+        """The object and its version tag (``etag:…``); (None, known) without a download
+        when HEAD shows the object is still the version ``known`` names."""
         bucket, key = parse_s3_url(url)
         if bucket not in self._settings.allowed_buckets:
             raise MediaForbidden("media bucket is not allowed")
@@ -66,9 +70,14 @@ class S3Fetcher:
         try:
             head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
             _check_head_size(head, cap)
-            return call_with_deadline(
-                lambda: _download(client, bucket, key, head.get("ETag"), cap, cancelled), deadline
+            etag = head.get("ETag")
+            version = f"etag:{etag}" if etag else None
+            if known is not None and version == known:
+                return None, known
+            data = call_with_deadline(
+                lambda: _download(client, bucket, key, etag, cap, cancelled), deadline
             )
+            return data, version
         except VlmqError:
             raise
         except ClientError as exc:

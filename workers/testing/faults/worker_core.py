@@ -65,7 +65,9 @@ def clock_skew(
     h.noop_worker("behind", delay_s, **env, **h.skewed(-skew_s))
     h.wait_registered("ahead")
     h.wait_registered("behind")
-    on_time = h.noop_worker("on-time", 5 * delay_s, **env)
+    # The one that dies runs serially, so what it holds is exactly what runs on it (a
+    # pipelined one also holds prefetched work: the pipeline scenarios kill those).
+    on_time = h.noop_worker("on-time", 5 * delay_s, **env, VLMQ_WORKER__PIPELINE="false")
     wait_until(
         lambda: _done_by(h, ids, "on-time") >= 8 and h.running_on(ids, "on-time"),
         timeout=120,

@@ -1,0 +1,250 @@
+"""The pieces the pipelined worker stands on: the media cache, the per-thread caching
+processors, decode-time downscaling, the engine's steps (issue 11)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.engine import Engine
+from vlmq.workers.engine.model import load_processor
+from vlmq.workers.engine.prepare import video_content, visual_downscale
+from vlmq.workers.engine.processors import ProcessorSet
+from vlmq.workers.media import Downscale, MediaCache, MediaLoader, decode_image
+from vlmq.workers.testing.samples import make_image, make_video_bytes, save_image, save_video
+from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    save_image(folder / "a.png", size=(300, 180), seed=1)
+    save_image(folder / "b.jpg", size=(120, 200), seed=2, format="JPEG")
+    save_video(folder / "v.mp4", n_frames=16, size=(96, 64), fps=8, seed=3)
+    return folder
+
+
+def _conversation(loader: MediaLoader, media: Path, processor: Any) -> list[dict[str, Any]]:
+    image_target, video_target = visual_downscale(processor)
+    video = loader.load_video(str(media / "v.mp4"), 4.0, 8, video_target)
+    parts = [
+        {"type": "image", "image": loader.load_image(str(media / "a.png"), image_target)},
+        {"type": "text", "text": "and"},
+        {"type": "image", "image": loader.load_image(str(media / "b.jpg"), image_target)},
+        video_content(video),
+        {"type": "text", "text": "what changed?"},
+    ]
+    return [{"role": "user", "content": parts}]
+
+
+def _collate(processor: Any, conversations: list[Any]) -> Any:
+    metadata = [
+        part["metadata"]
+        for conversation in conversations
+        for message in conversation
+        for part in message["content"]
+        if part["type"] == "video"
+    ]
+    return processor.apply_chat_template(
+        conversations,
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"padding": True, "do_sample_frames": False, "video_metadata": metadata},
+    )
+
+
+def test_cached_processors_give_the_tensors_of_the_plain_one(family_dir: Path, media: Path) -> None:
+    settings = EngineSettings()
+    cache = MediaCache(256 * 1024 * 1024)
+    loader = MediaLoader(MediaSettings(local_roots=[str(media)]), cache=cache)
+    plain = load_processor(str(family_dir), settings)
+    conversations = [_conversation(loader, media, plain)] * 2  # the same media twice
+    expected = _collate(plain, conversations)
+    processors = ProcessorSet(
+        load_processor(str(family_dir), settings),
+        lambda: load_processor(str(family_dir), settings),
+        cache,
+    )
+    missed = _collate(processors.for_thread(), conversations)
+    hits_before = cache.stats.hits
+    hit = _collate(processors.for_thread(), conversations)
+    assert cache.stats.hits > hits_before  # the second call came from the cache
+    for got in (missed, hit):
+        assert set(got) == set(expected)
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_thread_gets_its_own_processor(family_dir: Path) -> None:
+    settings = EngineSettings()
+    processors = ProcessorSet(
+        load_processor(str(family_dir), settings),
+        lambda: load_processor(str(family_dir), settings),
+        MediaCache(0),
+    )
+    seen: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: seen.append(processors.for_thread())) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(p) for p in seen}) == 3
+    assert processors.for_thread() is processors.for_thread()  # loaded once per thread
+
+
+def test_concurrent_loads_of_one_clip_decode_it_once(media: Path) -> None:
+    cache = MediaCache(64 * 1024 * 1024)
+    loader = MediaLoader(MediaSettings(local_roots=[str(media)]), cache=cache)
+    results: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def load() -> None:
+        barrier.wait()
+        results.append(loader.load_video(str(media / "v.mp4"), 4.0, 8))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert cache.stats.misses == 1 and cache.stats.hits == 7
+    assert all(r is results[0] for r in results)
+
+
+def test_the_cache_keeps_its_byte_budget() -> None:
+    cache = MediaCache(100)
+    for key in "abcde":
+        cache.get_or_compute(key, str, lambda _: 30)
+    assert cache.stats.bytes <= 100 and cache.stats.evictions == 2
+    _, hit = cache.get_or_compute("e", lambda: "x", lambda _: 30)
+    assert hit
+    _, hit = cache.get_or_compute("a", lambda: "x", lambda _: 30)
+    assert not hit  # evicted, least recently used first
+    value, _ = cache.get_or_compute("big", lambda: "v", lambda _: 1000)
+    assert value == "v" and "big" not in cache._entries  # larger than the cache: not kept
+
+
+def test_images_are_downscaled_at_decode_to_what_the_processor_uses() -> None:
+    photo = make_image((1920, 1080), seed=5)
+    buffer = io.BytesIO()
+    photo.save(buffer, format="JPEG", quality=90)
+    target = Downscale(max_pixels=50176)
+    small = decode_image(buffer.getvalue(), MediaSettings(), target)
+    assert small.width * small.height <= 50176
+    assert abs(small.width / small.height - 1920 / 1080) < 0.02  # aspect kept
+    full = decode_image(buffer.getvalue(), MediaSettings())
+    assert full.size == (1920, 1080)
+    # A box target never goes below covering the box.
+    assert Downscale(cover=(112, 112)).size_for((1280, 720)) == (199, 112)
+    assert Downscale(max_pixels=10**9).size_for((64, 48)) == (64, 48)  # never upscaled
+
+
+def test_video_frames_are_downscaled_as_they_are_converted() -> None:
+    from vlmq.workers.media import decode_video
+
+    data = make_video_bytes(n_frames=16, size=(640, 360), fps=8, seed=1)
+    video = decode_video(data, MediaSettings(), 4.0, 8, Downscale(max_pixels=12544))
+    assert all(f.width * f.height <= 12544 for f in video.frames)
+    assert video.frames[0].size == (149, 84)
+
+
+def test_the_engine_steps_give_what_run_gives(tmp_path: Path, media: Path) -> None:
+    model = build_tiny_model(tmp_path / "qwen", "qwen2_5_vl")
+    engine = Engine(str(model), EngineSettings(), MediaSettings(local_roots=[str(media)])).setup()
+    from vlmq.config.schemas import Request
+
+    requests = [
+        Request.model_validate({"messages": [{"role": "user", "content": f"hi {n}"}]})
+        for n in range(3)
+    ] + [
+        Request.model_validate(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "image": str(media / "a.png")}, "what?"],
+                    }
+                ]
+            }
+        )
+    ]
+    whole = {r.id: r.output for r in engine.run(requests)}
+    prepared = [engine.prepare(r) for r in requests]
+    stepped: dict[str, Any] = {}
+    for batch in engine.plan(prepared):
+        assert engine.capacity() > 0
+        engine.submit(engine.collate(batch))
+        assert engine.capacity() == 0  # one static micro-batch at a time
+        stepped |= {r.id: r.output for r in engine.poll("w")}
+    assert stepped == whole
+
+
+def test_processors_run_on_a_cuda_models_device_with_the_torchvision_backend() -> None:
+    from vlmq.workers.engine.model import processor_device
+
+    assert processor_device(EngineSettings(), "cuda:0") == "cuda:0"
+    assert processor_device(EngineSettings(), "cpu") is None
+    assert processor_device(EngineSettings(processor_device="cpu"), "cuda:0") is None
+    pil = EngineSettings(image_processor_backend="pil")
+    assert processor_device(pil, "cuda:0") is None  # the pil processors are CPU-only
+
+
+def test_the_device_reaches_the_processors(tmp_path: Path, media: Path) -> None:
+    """The runner passes ``device`` through ``processor_kwargs``; on CPU the tensors equal a
+    call without it (on CUDA they come back on the GPU and are not pinned)."""
+    from vlmq.config.schemas import Request
+    from vlmq.workers.engine.model import load_model
+    from vlmq.workers.engine.prepare import Prepared
+    from vlmq.workers.engine.runner import BatchRunner
+
+    model = build_tiny_model(tmp_path / "qwen", "qwen2_5_vl")
+    loaded = load_model(str(model), EngineSettings())
+    loader = MediaLoader(MediaSettings(local_roots=[str(media)]), cache=MediaCache(0))
+    conversation = _conversation(loader, media, loaded.processor)
+
+    request = Request.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    item = Prepared(request, 4, conversation)
+    calls: list[dict[str, Any]] = []
+    original = loaded.processor.apply_chat_template
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["processor_kwargs"])
+        return original(*args, **kwargs)
+
+    loaded.processor.apply_chat_template = spy
+    plain = BatchRunner(loaded).collate([item], loaded.processor)
+    placed = BatchRunner(loaded, processor_device="cpu").collate([item], loaded.processor)
+    assert "device" not in calls[0] and calls[1]["device"] == "cpu"
+    for name, value in plain.inputs.items():
+        assert torch.equal(placed.inputs[name], value), name
+
+
+def test_the_heartbeat_record_carries_the_engine_and_cache_counters_as_json() -> None:
+    import json
+    import types
+
+    from vlmq.workers.engine.engine import EngineStats
+    from vlmq.workers.fleet.service import _engine_stats
+    from vlmq.workers.media.cache import CacheStats
+
+    engine = types.SimpleNamespace(stats=EngineStats(cache=CacheStats(hits=2, misses=1)))
+    record = json.loads(json.dumps(_engine_stats(engine)))
+    assert record["cache"]["hits"] == 2 and record["cache"]["misses"] == 1
+    assert "batch_sizes" not in record

@@ -1,0 +1,142 @@
+"""What a worker's stages ask of an engine, so a continuous engine can fill the same role.
+
+The pipelined worker (workers/fleet/pipeline.py) prepares requests and collates micro-batches
+on its preprocessing threads, then its model thread asks the engine how much it can take
+(``capacity``), hands it collated work (``submit``) and collects results as they finish
+(``poll``). The HF engine takes one static micro-batch at a time and returns all of it from
+the next ``poll``; an engine with continuous batching can take requests as slots free and
+return each as it finishes. The no-op engine implements it too. Importing this module does
+not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from vlmq.config.schemas import Request, Result
+from vlmq.workers.engine.prepare import Prepared
+
+__all__ = [
+    "Collated",
+    "GenerationEngine",
+    "OneSlot",
+    "RunOnlyEngine",
+    "RunsBatches",
+    "as_generation_engine",
+]
+
+
+@dataclass
+class Collated:
+    """One micro-batch as the model takes it: padded input tensors (on the host), made on a
+    preprocessing thread; ``inputs`` None when collation failed (generate isolates why)."""
+
+    items: list[Prepared]
+    inputs: Any
+    collate_s: float
+    pinned: bool = False
+    token_budget: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.items)
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    model_name: str
+
+    def prepare(self, request: Request) -> Prepared:
+        """Fetch, decode, check and estimate one request; any thread; never raises."""
+
+    def plan(
+        self, prepared: Sequence[Prepared], token_budget: int | None = None
+    ) -> list[list[Prepared]]:
+        """Cut prepared requests into micro-batches."""
+
+    def collate(self, items: Sequence[Prepared]) -> Collated:
+        """A micro-batch's model inputs; any thread."""
+
+    def capacity(self) -> int:
+        """Rows the engine can take now (0: poll first)."""
+
+    def submit(self, collated: Collated) -> None:
+        """Hand over collated work (the model's thread)."""
+
+    def poll(self, worker: str) -> list[Result]:
+        """Results of submitted requests that finished (the model's thread)."""
+
+    def reject(self, prepared: Prepared, worker: str) -> Result:
+        """The result of a request that failed before generation (its ``error``)."""
+
+
+class RunsBatches(Protocol):
+    """An engine that only runs whole batches (test doubles, simple engines)."""
+
+    model_name: str
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        worker: str | None = None,
+        token_budget: int | None = None,
+    ) -> list[Result]: ...
+
+
+class OneSlot:
+    """``capacity`` and ``submit`` of an engine that runs what was submitted when polled,
+    one collated micro-batch at a time."""
+
+    _submitted: Collated | None = None
+
+    def capacity(self) -> int:
+        return 0 if self._submitted is not None else 1 << 30
+
+    def submit(self, collated: Collated) -> None:
+        self._submitted = collated
+
+    def _take(self) -> Collated | None:
+        collated, self._submitted = self._submitted, None
+        return collated
+
+
+class RunOnlyEngine(OneSlot):
+    """The generation interface over an engine that has only ``run``: every request is its
+    own trivially prepared item, a pulled batch is one micro-batch, and ``poll`` runs it."""
+
+    def __init__(self, engine: RunsBatches) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)  # stats, setup, close: the engine's own
+
+    def prepare(self, request: Request) -> Prepared:
+        return Prepared(request, request.generation.max_new_tokens or 0)
+
+    def plan(
+        self, prepared: Sequence[Prepared], token_budget: int | None = None
+    ) -> list[list[Prepared]]:
+        return [list(prepared)] if prepared else []
+
+    def collate(self, items: Sequence[Prepared]) -> Collated:
+        return Collated(list(items), None, 0.0)
+
+    def poll(self, worker: str) -> list[Result]:
+        collated = self._take()
+        if collated is None:
+            return []
+        requests = [item.request for item in collated.items]
+        return self.engine.run(requests, worker=worker, token_budget=collated.token_budget)
+
+    def reject(self, prepared: Prepared, worker: str) -> Result:
+        raise RuntimeError("a run-only engine prepares nothing that can fail")
+
+
+def as_generation_engine(engine: Any) -> GenerationEngine:
+    """``engine`` itself when it has the generation interface, else adapted."""
+    if isinstance(engine, GenerationEngine):
+        return engine
+    return RunOnlyEngine(engine)

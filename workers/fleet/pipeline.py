@@ -1,0 +1,168 @@
+"""The pipelined worker: pulling, preparing and collating run ahead of the model's thread.
+
+Two stage threads feed the model thread through bounded hand-offs: the *feeder* pulls a batch,
+admits it and hands its requests to the prepare pool; the *planner* waits for them, cuts
+micro-batches and hands those to the collate pool; the model thread (the loop's own) takes
+micro-batches in order and generates. Prefetch is bounded by batches (``prefetch_batches``
+pulled and not yet through generate) and by decoded bytes (``prefetch_bytes``): a batch is
+pulled only once the bytes of every batch before it are known and under the budget, so the
+budget is overrun by one batch at most, and a single batch larger than it still runs, alone.
+Everything prefetched stays leased and renewed (it is in ``Held``) and stays ``queued`` until
+the model thread starts it, so a cancel of a prefetched task is honoured and shutdown gives
+every unstarted task straight back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.config.settings import WorkerSettings
+from vlmq.workers.fleet.stages import Job, Planned
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        admit: Callable[[], Job | None],
+        plan: Callable[[Job], list[Planned]],
+        give_back: Callable[[Job], None],
+        stop_event: threading.Event,
+        idle_s: tuple[float, float],
+    ) -> None:
+        self.settings = settings
+        self._admit = admit
+        self._plan = plan
+        self._give_back = give_back
+        self._stop = stop_event
+        self._idle_s = idle_s
+        self._planning: queue.Queue[Job] = queue.Queue()
+        self._ready: queue.Queue[Planned] = queue.Queue()
+        self._slots = threading.Semaphore(settings.prefetch_batches)
+        self._bytes = 0
+        self._unplanned = 0  # pulled batches whose decoded bytes are not known yet
+        self._room = threading.Condition()
+        self._threads: list[threading.Thread] = []
+
+    # the model thread's side ---------------------------------------------------
+    def start(self) -> Pipeline:
+        for target, name in ((self._feed, "pipeline-feed"), (self._planner, "pipeline-plan")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def take(self, timeout_s: float) -> Planned | None:
+        """The next micro-batch to generate, in order, or None after ``timeout_s``."""
+        try:
+            return self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def done(self, planned: Planned) -> None:
+        """One micro-batch went through generate (or was given up)."""
+        job = planned.job
+        job.left -= 1
+        if job.left <= 0:
+            self._finished(job)
+
+    def depths(self) -> dict[str, int]:
+        with self._room:
+            held = self._bytes
+        return {
+            "planning": self._planning.qsize(),
+            "ready": self._ready.qsize(),
+            "prefetch_bytes": held,
+        }
+
+    def join(self, timeout_s: float) -> None:
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+    # stage threads ---------------------------------------------------------------
+    def _feed(self) -> None:
+        idle, outage = self._idle_s[0], 0.1
+        while not self._stop.is_set():
+            if not self._wait_for_room():
+                continue
+            try:
+                job = self._admit()
+            except TRANSIENT_REDIS_ERRORS as exc:
+                self._slots.release()
+                log.warning("pipeline: Redis %s; retrying in %.1fs", type(exc).__name__, outage)
+                self._stop.wait(outage)
+                outage = min(outage * 2, 2.0)
+                continue
+            except Exception:
+                self._slots.release()
+                log.exception("pipeline: pulling failed")
+                self._stop.wait(outage)
+                continue
+            outage = 0.1
+            if job is None:
+                self._slots.release()
+                self._stop.wait(idle)
+                idle = min(idle * 2, self._idle_s[1])
+                continue
+            idle = self._idle_s[0]
+            with self._room:
+                self._unplanned += 1
+            self._planning.put(job)
+
+    def _wait_for_room(self) -> bool:
+        """A prefetch slot, and the bytes of everything pulled known and under the budget
+        (so the budget is overrun by one batch at most; one batch may always run)."""
+        if not self._slots.acquire(timeout=0.1):
+            return False
+        with self._room:
+            while (
+                self._unplanned or self._bytes >= self.settings.prefetch_bytes
+            ) and not self._stop.is_set():
+                self._room.wait(0.1)
+        if self._stop.is_set():
+            self._slots.release()
+            return False
+        return True
+
+    def _planner(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._planning.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                planned = self._plan(job)
+            except Exception:
+                log.exception("pipeline: planning a batch failed; giving it back")
+                self._give_back(job)
+                job.media_bytes = 0  # never counted in
+                self._planned(job)
+                self._finished(job)
+                continue
+            self._planned(job)
+            job.left = len(planned)
+            if not planned:
+                self._finished(job)
+            for item in planned:
+                self._ready.put(item)
+
+    def _planned(self, job: Job) -> None:
+        with self._room:
+            self._bytes += job.media_bytes
+            self._unplanned -= 1
+            self._room.notify_all()
+
+    def _finished(self, job: Job) -> None:
+        with self._room:
+            self._bytes -= job.media_bytes
+            job.media_bytes = 0
+            self._room.notify_all()
+        self._slots.release()

@@ -35,8 +35,14 @@ class Keys:
         return f"{self.prefix}.control"
 
     def active_jobs(self, modality: str) -> str:
-        """Set of a class's job lists that may hold messages (fair-share members)."""
+        """Sorted set of a class's job lists that may hold messages (fair-share members),
+        scored by when each was last served: the pull serves the lowest first."""
         return f"{self.prefix}.{modality}:active"
+
+    def job_depth(self) -> str:
+        """Hash active-jobs zset -> messages waiting in its job lists (kept by enqueue, pull
+        and requeue, so a class's depth costs the same with 10 or 100,000 active jobs)."""
+        return f"{self.prefix}:depth"
 
     # tasks -----------------------------------------------------------------
     def task(self, task_id: str) -> str:
@@ -84,6 +90,10 @@ class Keys:
     def job_errors(self, job_id: str) -> str:
         """Hash line number -> invalid-line record of a bulk submission."""
         return f"{self.prefix}:job:{job_id}:errors"
+
+    def jobs_submitting(self) -> str:
+        """Sorted set job id -> latest lease of a submitter still adding to it."""
+        return f"{self.prefix}:jobs:submitting"
 
     def job_expiry(self) -> str:
         """Sorted set job id -> completion deadline."""

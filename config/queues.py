@@ -16,21 +16,24 @@ from vlmq.config.wire import priority_lists
 __all__ = ["queue_depth", "queue_lists"]
 
 
-def queue_lists(redis: Redis, keys: Keys, modality: str) -> list[str]:
-    """Every Redis list holding a class's waiting messages: both lanes and each
-    bulk job's own list, at every priority step."""
-    queues = [keys.queue(modality, lane) for lane in LANES]
-    members: set[str] = redis.smembers(keys.active_jobs(modality))  # type: ignore[assignment]
-    queues += sorted(members)
-    return [name for queue in queues for name in priority_lists(queue)]
+def queue_lists(keys: Keys, modality: str) -> list[str]:
+    """The fixed Redis lists of a class's waiting messages: both lanes, at every
+    priority step (each bulk job's own list is counted by the depth hash instead)."""
+    return [name for lane in LANES for name in priority_lists(keys.queue(modality, lane))]
 
 
 def queue_depth(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, int]:
-    """Messages waiting per class (the lists, then their lengths pipelined)."""
-    names = {m: queue_lists(redis, keys, m) for m in modalities}
+    """Messages waiting per class: the fixed lists' lengths plus the job lists' counter,
+    one pipelined round trip whatever the number of active jobs."""
+    names = {m: queue_lists(keys, m) for m in modalities}
     pipe = redis.pipeline(transaction=False)
-    for lists in names.values():
+    for modality, lists in names.items():
         for name in lists:
             pipe.llen(name)
-    lengths = iter(pipe.execute())
-    return {m: sum(int(next(lengths)) for _ in lists) for m, lists in names.items()}
+        pipe.hget(keys.job_depth(), keys.active_jobs(modality))
+    replies = iter(pipe.execute())
+    depth = {}
+    for modality, lists in names.items():
+        fixed = sum(int(next(replies)) for _ in lists)
+        depth[modality] = fixed + max(0, int(next(replies) or 0))
+    return depth

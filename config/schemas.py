@@ -212,6 +212,11 @@ class Request(BaseModel):
     def parts(self, kind: str) -> list[Any]:
         return [p for m in self.messages for p in m.content if p.type == kind]
 
+    def media_sources(self) -> tuple[str, ...]:
+        """The videos' then the images' sources: what a request is about, as a sort key
+        (``()`` for text)."""
+        return tuple(p.source for kind in ("video", "image") for p in self.parts(kind))
+
     def resolve_local_paths(self, base: Path) -> Request:
         """A copy whose relative local media paths are made absolute under ``base``.
 

@@ -46,18 +46,38 @@ end
 
 -- status -------------------------------------------------------------------------------------
 
--- A sealed job (submission complete) whose every task is terminal is finished once:
--- finished_at is set and an event queued for its webhook.
+-- The submitters still adding to a job are fields 'sub:<submission>' = lease deadline of its
+-- hash (a crashed submitter's lapses). Drops the lapsed ones; returns the latest live deadline.
+local function live_submitters(jobkey, t)
+  local latest = nil
+  local fields = redis.call('HGETALL', jobkey)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 4) == 'sub:' then
+      local deadline = tonumber(fields[i + 1]) or 0
+      if deadline <= t then
+        redis.call('HDEL', jobkey, fields[i])
+      elseif not latest or deadline > latest then
+        latest = deadline
+      end
+    end
+  end
+  return latest
+end
+
+-- A sealed job (a submission completed) whose every task is terminal and that no submitter is
+-- still adding to is finished once: finished_at is set and an event queued for its webhook.
+-- (Every submitter's lease is also in the submitting zset, so a job whose last submitter
+-- crashed is looked at again when that lease lapses: reap_submitters.)
 local function finish_check(jobkey, job, t, events)
   local f = redis.call('HMGET', jobkey, 'sealed', 'total', 'succeeded', 'failed',
                        'cancelled', 'expired', 'finished_at')
   if f[1] ~= '1' or f[7] then return end
   local done = (tonumber(f[3]) or 0) + (tonumber(f[4]) or 0)
              + (tonumber(f[5]) or 0) + (tonumber(f[6]) or 0)
-  if done >= (tonumber(f[2]) or 0) then
-    redis.call('HSET', jobkey, 'finished_at', stamp(t))
-    redis.call('LPUSH', events, job)
-  end
+  if done < (tonumber(f[2]) or 0) then return end
+  if live_submitters(jobkey, t) then return end
+  redis.call('HSET', jobkey, 'finished_at', stamp(t))
+  redis.call('LPUSH', events, job)
 end
 
 -- One task's move: allowed from-states ("," separated, "-" = no state yet), the job's counters
@@ -114,9 +134,10 @@ local function fenced_move(key, m, jobprefix, t, events)
 end
 
 -- in flight -----------------------------------------------------------------------------------
--- The bookkeeping of held messages, always KEYS[1..4] of these commands: inflight hash (id ->
+-- The bookkeeping of held messages, always KEYS[1..5] of these commands: inflight hash (id ->
 -- raw message), leases zset (id -> deadline), origin-queue hash, origin-active hash (the
--- fair-share set of a job list the message came from).
+-- fair-share zset of a job list the message came from), job-list depth hash (fair-share zset
+-- -> messages waiting in its job lists: a class's queue depth without visiting every job).
 
 local function forget(id)
   redis.call('HDEL', KEYS[1], id)
@@ -133,7 +154,10 @@ local function requeue(id)
   if raw and queue then
     redis.call('RPUSH', queue, raw)
     local active = redis.call('HGET', KEYS[4], id)
-    if active then redis.call('SADD', active, queue) end
+    if active then
+      redis.call('ZADD', active, 'NX', 0, queue)
+      redis.call('HINCRBY', KEYS[5], active, 1)
+    end
     moved = 1
   end
   forget(id)
@@ -157,39 +181,44 @@ function commands.transition()
 end
 
 -- settle: terminal transitions and acknowledgements of held tasks, one step (allow-oom).
--- KEYS[1..4] bookkeeping, KEYS[5] events list, KEYS[6..] task hashes. ARGV: job key prefix,
+-- KEYS[1..5] bookkeeping, KEYS[6] events list, KEYS[7..] task hashes. ARGV: job key prefix,
 -- then per task its id and a move. Returns {previous, moved, held} per task: a holder that was
 -- fenced out (held 0) changes nothing, and its result never becomes the task's.
 function commands.settle()
   local t, replies, at = now(), {}, 3
-  for i = 6, #KEYS do
+  for i = 7, #KEYS do
     local id = ARGV[at]
     local m
     m, at = read_move(at + 1)
-    local previous, moved, held = fenced_move(KEYS[i], m, ARGV[2], t, KEYS[5])
+    local previous, moved, held = fenced_move(KEYS[i], m, ARGV[2], t, KEYS[6])
     if held == 1 then forget(id) end
-    replies[i - 5] = {previous, moved, held}
+    replies[i - 6] = {previous, moved, held}
   end
   return replies
 end
 
 -- pull: move up to N messages of one class into this worker's leases.
--- KEYS[1..4] bookkeeping, KEYS[5] the class's active-jobs set, KEYS[6..] its fixed lists:
+-- KEYS[1..5] bookkeeping, KEYS[6] the class's active-jobs zset, KEYS[7..] its fixed lists:
 -- the interactive lane (priority order), then the plain bulk queue (priority order).
 -- ARGV: max count, lease seconds, task key prefix, number of interactive lists, terminal
--- states (csv). The interactive lane is drained first; the rest is shared round robin, one
--- message per member per round, between the plain bulk queue and every bulk job's own list.
+-- states (csv), task ttl seconds (a plain send_task's message gets its hash here, and the
+-- hash its ttl). The interactive lane is drained first; the rest is shared round robin, one
+-- message per member per round, between the plain bulk queue and the bulk jobs' own lists,
+-- least recently served job first: a job served goes to the back of the zset (score: one
+-- more than the last), so with J active jobs and batches of B every job is served within
+-- ceil(J / B) pulls, and a pull costs O(B log J) whatever J is.
 -- A copy of a task that is already terminal, or that a live holder has, is dropped (one run
 -- per task while its holder lives); a holder whose lease ran out is fenced out by the new
 -- delivery's token. Returns {now, dropped, rows}; a row is {id, raw, token, status fields}.
 function commands.pull()
   local t = now()
   local limit, deadline = tonumber(ARGV[2]), t + tonumber(ARGV[3])
-  local prefix, terminal = ARGV[4], csv_set(ARGV[6])
+  local prefix, terminal, ttl = ARGV[4], csv_set(ARGV[6]), tonumber(ARGV[7])
   local out, dropped = {}, 0
   local function take(list, active)
     local raw = redis.call('RPOP', list)
     if not raw then return false end
+    if active then redis.call('HINCRBY', KEYS[5], active, -1) end
     local id = task_id(raw)
     local key = prefix .. id
     -- The status fields the worker decides on, read here to save it a round trip.
@@ -206,28 +235,32 @@ function commands.pull()
     -- (an origin-active entry never outlives its in-flight entry: forget() drops both)
     if active then redis.call('HSET', KEYS[4], id, active) end
     local n = redis.call('HINCRBY', key, 'deliveries', 1)
+    redis.call('EXPIRE', key, ttl, 'NX')
     out[#out + 1] = {id, raw, n, status}
     return true
   end
-  local first = 6 + tonumber(ARGV[5])
-  for i = 6, first - 1 do
+  local first = 7 + tonumber(ARGV[5])
+  for i = 7, first - 1 do
     while #out < limit and take(KEYS[i], false) do end
   end
   local plain_lists = {}
   for i = first, #KEYS do plain_lists[#plain_lists + 1] = KEYS[i] end
-  local jobs = redis.call('SMEMBERS', KEYS[5])
+  local active = KEYS[6]
   local progress = true
   while #out < limit and progress do
     progress = false
     for _, list in ipairs(plain_lists) do
       if take(list, false) then progress = true break end
     end
+    local jobs = redis.call('ZRANGE', active, 0, limit - #out - 1)
     for _, list in ipairs(jobs) do
       if #out >= limit then break end
-      if take(list, KEYS[5]) then
+      if take(list, active) then
         progress = true
-      elseif redis.call('LLEN', list) == 0 then
-        redis.call('SREM', KEYS[5], list)
+        local last = redis.call('ZRANGE', active, -1, -1, 'WITHSCORES')
+        redis.call('ZADD', active, tonumber(last[2]) + 1, list)
+      else
+        redis.call('ZREM', active, list)
       end
     end
   end
@@ -264,19 +297,19 @@ local function for_held(fn)
 end
 
 -- ack: forget held messages that will not run (their task ended while they were held)
--- (allow-oom). KEYS[1..4] bookkeeping. ARGV: task key prefix, then id, token pairs.
+-- (allow-oom). KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token pairs.
 function commands.ack()
   return for_held(function(id) forget(id) return 1 end)
 end
 
 -- give_back: return held messages to their queues now (shutdown, not started) (allow-oom).
--- KEYS[1..4] bookkeeping. ARGV: task key prefix, then id, token pairs (only this holder's).
+-- KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token pairs (only this holder's).
 function commands.give_back()
   return for_held(requeue)
 end
 
 -- reap: put back messages whose holder stopped renewing (it died) (allow-oom).
--- KEYS[1..4] bookkeeping. ARGV: most to move.
+-- KEYS[1..5] bookkeeping. ARGV: most to move.
 function commands.reap()
   local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now(), 'LIMIT', 0, tonumber(ARGV[2]))
   local moved = 0
@@ -328,13 +361,18 @@ function commands.reap_events()
   return return_events(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now(), 'LIMIT', 0, 1000))
 end
 
--- open_job: create (or reopen, for a resubmission) a job; unsealed until submitted.
--- KEYS[1] job hash, KEYS[2] expiry zset. ARGV: job id, name, webhook url, completion window
--- seconds ('' none), ttl seconds. The window starts at the first submission (Redis's time).
+-- open_job: create (or reopen, for a resubmission) a job; unsealed until submitted, and not
+-- finished while this submitter holds its lease (renewed by every chunk it submits).
+-- KEYS[1] job hash, KEYS[2] expiry zset, KEYS[3] submitting zset (job id -> latest submitter
+-- lease). ARGV: job id, name, webhook url, completion window seconds ('' none), ttl seconds,
+-- submission id, submitter lease seconds. The window starts at the first submission.
 function commands.open_job()
   local t, key = now(), KEYS[1]
   redis.call('HSETNX', key, 'created_at', stamp(t))
   redis.call('HSET', key, 'job_id', ARGV[2], 'sealed', '0')
+  local lease = t + tonumber(ARGV[8])
+  redis.call('HSET', key, 'sub:' .. ARGV[7], stamp(lease))
+  redis.call('ZADD', KEYS[3], 'GT', lease, ARGV[2])
   redis.call('HDEL', key, 'finished_at')
   if ARGV[3] ~= '' then redis.call('HSET', key, 'name', ARGV[3]) end
   if ARGV[4] ~= '' then redis.call('HSET', key, 'webhook_url', ARGV[4]) end
@@ -348,12 +386,117 @@ function commands.open_job()
   return 1
 end
 
--- seal: the submission is complete; the job may now finish.
--- KEYS[1] job hash, KEYS[2] events list. ARGV: job id, lines.
+-- seal: this submission is complete (or, complete '0', it stopped without completing: it no
+-- longer holds the job open, and does not seal it); the job may now finish, once no other
+-- submitter is adding. KEYS[1] job hash, KEYS[2] events list. ARGV: job id, lines, submission
+-- id, complete ('1' | '0'), invalid lines.
 function commands.seal()
-  redis.call('HSET', KEYS[1], 'sealed', '1', 'lines', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'sub:' .. ARGV[4])
+  if ARGV[5] == '1' then
+    redis.call('HSET', KEYS[1], 'sealed', '1', 'lines', ARGV[3], 'line_errors', ARGV[6])
+  end
   finish_check(KEYS[1], ARGV[2], now(), KEYS[2])
   return 1
+end
+
+-- reap_submitters: look again at jobs whose latest submitter lease lapsed (a submitter that
+-- crashed before sealing must not keep a finished job open forever).
+-- KEYS[1] submitting zset, KEYS[2] events list. ARGV: job key prefix, most to look at.
+function commands.reap_submitters()
+  local t = now()
+  local jobs = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', t, 'LIMIT', 0, tonumber(ARGV[3]))
+  for _, job in ipairs(jobs) do
+    redis.call('ZREM', KEYS[1], job)
+    local jobkey = ARGV[2] .. job
+    if redis.call('EXISTS', jobkey) == 1 then
+      live_submitters(jobkey, t)
+      finish_check(jobkey, job, t, KEYS[2])
+    end
+  end
+  return #jobs
+end
+
+-- submit: one chunk of a bulk job, all or nothing: claim each line's custom_id, write its
+-- status hash, push its message, count it. A custom_id names one live task per job: a line
+-- whose custom_id is queued, running or succeeded is skipped, one that ended otherwise is
+-- superseded (it leaves the job's counts, its new task joins them), one already claimed by
+-- this same submission is a duplicate. Deciding and writing in one script is what makes any
+-- number of concurrent submitters of one job enqueue each custom_id once, with exact counts.
+-- KEYS[1] job hash, KEYS[2] custom-id claims (custom_id -> task id ':' submission), KEYS[3]
+-- job task list, KEYS[4] submitting zset, KEYS[5] job-list depth hash, then per modality class
+-- in the chunk its job list and active zset (pairs), then one task hash per line.
+-- ARGV: job id, ttl seconds, submission id, submitter lease seconds, task key prefix, number
+-- of class pairs, number of status fields F, the F field names; then per line: custom_id (''
+-- for none: always a new task), class pair (1-based), the F field values ('' unset), message.
+-- Returns one code per line: 'q' enqueued, 's' skipped, 'd' duplicate.
+function commands.submit()
+  local t = now()
+  local jobkey, claims, tasks = KEYS[1], KEYS[2], KEYS[3]
+  local job, ttl, sub = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+  local prefix, pairs_n, nf = ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
+  local names, at = {}, 9
+  for i = 1, nf do names[i] = ARGV[at]; at = at + 1 end
+  local first_task = 6 + 2 * pairs_n
+  local live = {queued = true, running = true, succeeded = true}
+  local codes, added, pushed = {}, 0, {}
+  for i = first_task, #KEYS do
+    local cid, pair = ARGV[at], tonumber(ARGV[at + 1])
+    local values = {}
+    for j = 1, nf do values[j] = ARGV[at + 1 + j] end
+    local message = ARGV[at + 2 + nf]
+    at = at + 3 + nf
+    local key, code = KEYS[i], 'q'
+    local id = string.sub(key, #prefix + 1)
+    if cid ~= '' then
+      local claim = redis.call('HGET', claims, cid)
+      if claim then
+        local old, by = string.match(claim, '^(.*):([^:]*)$')
+        local state = redis.call('HMGET', prefix .. old, 'state', 'superseded')
+        if by == sub then
+          code = 'd'
+        elseif live[state[1] or ''] then
+          code = 's'
+        elseif state[1] and state[2] ~= '1' then
+          redis.call('HINCRBY', jobkey, 'total', -1)
+          redis.call('HINCRBY', jobkey, state[1], -1)
+          redis.call('HSET', prefix .. old, 'superseded', '1')
+        end
+      end
+    end
+    if code == 'q' then
+      if cid ~= '' then
+        redis.call('HSET', claims, cid, id .. ':' .. sub)
+      end
+      local fields = {'created_at', stamp(t), 'queued_at', stamp(t)}
+      for j = 1, nf do
+        if values[j] ~= '' then
+          fields[#fields + 1] = names[j]
+          fields[#fields + 1] = values[j]
+        end
+      end
+      redis.call('HSET', key, 'state', 'queued', unpack(fields))
+      redis.call('EXPIRE', key, ttl)
+      redis.call('LPUSH', KEYS[4 + 2 * pair], message)
+      pushed[pair] = (pushed[pair] or 0) + 1
+      redis.call('RPUSH', tasks, id)
+      added = added + 1
+    end
+    codes[#codes + 1] = code
+  end
+  for pair, n in pairs(pushed) do
+    local active = KEYS[5 + 2 * pair]
+    redis.call('ZADD', active, 'NX', 0, KEYS[4 + 2 * pair])
+    redis.call('HINCRBY', KEYS[5], active, n)
+  end
+  if added > 0 then
+    redis.call('HINCRBY', jobkey, 'total', added)
+    redis.call('HINCRBY', jobkey, 'queued', added)
+  end
+  local lease = t + tonumber(ARGV[5])
+  redis.call('HSET', jobkey, 'sub:' .. sub, stamp(lease))
+  redis.call('ZADD', KEYS[4], 'GT', lease, job)
+  for _, k in ipairs({jobkey, claims, tasks}) do redis.call('EXPIRE', k, ttl) end
+  return codes
 end
 
 return commands[ARGV[1]]()

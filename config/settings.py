@@ -199,6 +199,13 @@ class FleetSettings(BaseModel):
     idle_poll_max_s: float = Field(0.02, gt=0)
     redis_socket_timeout_s: float = 10.0
     task_ttl_s: int = 7 * 86400
+    # A job is not finished while a submitter is adding to it; one that stops renewing this
+    # lease (it crashed; every chunk it submits renews it) no longer holds the job open.
+    submitter_lease_s: float = Field(300.0, gt=0)
+    # Invalid lines of a bulk job stored as error records, at most (all are counted).
+    max_line_errors: int = Field(1000, ge=0)
+    # Dead-lettered messages kept (newest), each with at most the first 4 KiB of its message.
+    max_dead_letters: int = Field(10_000, ge=0)
     # Publish Celery task events (received/started/succeeded/failed) so Flower
     # shows the inference tasks; three extra publishes per task.
     task_events: bool = False

@@ -103,6 +103,7 @@ class JobStatus:
     sealed: bool = False
     cancel_requested: bool = False
     lines: int = 0
+    line_errors: int = 0  # invalid lines of the last complete submission (records: capped)
     name: str | None = None
     webhook_url: str | None = None
     created_at: float | None = None
@@ -133,6 +134,7 @@ class JobStatus:
             "sealed": raw.get("sealed") == "1",
             "cancel_requested": raw.get("cancel_requested") == "1",
             "lines": _number(raw.get("lines")) or 0,
+            "line_errors": _number(raw.get("line_errors")) or 0,
             "name": raw.get("name") or None,
             "webhook_url": raw.get("webhook_url") or None,
             "created_at": _number(raw.get("created_at"), float),
@@ -151,6 +153,7 @@ class JobStatus:
             "finished": self.finished,
             "sealed": self.sealed,
             "lines": self.lines,
+            "line_errors": self.line_errors,
             "name": self.name,
             "created_at": self.created_at,
             "finished_at": self.finished_at,

@@ -20,7 +20,22 @@ from vlmq.config.keys import Keys
 from vlmq.config.scripts import Scripts
 from vlmq.config.status import JobStatus, TaskState, sources_of
 
-__all__ = ["Move", "StatusDB", "encode_move"]
+__all__ = ["QUEUED_FIELDS", "Move", "Queued", "StatusDB", "encode_move"]
+
+
+# The status fields a bulk line's task hash is created with (besides state and the stamps).
+QUEUED_FIELDS = ("job_id", "custom_id", "modality", "queue", "expires_at")
+
+
+@dataclass(frozen=True)
+class Queued:
+    """One bulk line ready to enqueue: its task, custom_id, class, status fields, message."""
+
+    task_id: str
+    custom_id: str | None
+    modality: str
+    fields: Mapping[str, Any]
+    message: str
 
 
 @dataclass(frozen=True)
@@ -60,10 +75,17 @@ def _as_text(value: Any) -> str:
 class StatusDB:
     """Status reads and writes for tasks and jobs (both producers and workers use it)."""
 
-    def __init__(self, redis: redis_py.Redis, keys: Keys, ttl_s: int = 7 * 86400) -> None:
+    def __init__(
+        self,
+        redis: redis_py.Redis,
+        keys: Keys,
+        ttl_s: int = 7 * 86400,
+        submitter_lease_s: float = 300.0,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
+        self.submitter_lease_s = submitter_lease_s
         self.scripts = Scripts(redis)
 
     # writes --------------------------------------------------------------
@@ -143,18 +165,62 @@ class StatusDB:
     def open_job(
         self,
         job_id: str,
+        submission: str,
         name: str | None = None,
         expires_in_s: float | None = None,
         webhook_url: str | None = None,
     ) -> None:
-        """Create (or reopen, for a resubmission) a job; unsealed until submitted. The
-        completion window starts at the first submission, on Redis's clock."""
+        """Create (or reopen, for a resubmission) a job; unsealed until submitted, and not
+        finished while ``submission`` holds its submitter lease. The completion window
+        starts at the first submission, on Redis's clock."""
         args = [job_id, name or "", webhook_url or "", expires_in_s or "", self.ttl_s]
-        self.scripts("open_job", [self.keys.job(job_id), self.keys.job_expiry()], args)
+        args += [submission, self.submitter_lease_s]
+        keys = [self.keys.job(job_id), self.keys.job_expiry(), self.keys.jobs_submitting()]
+        self.scripts("open_job", keys, args)
 
-    def seal_job(self, job_id: str, lines: int = 0) -> None:
-        """Submission complete: the job may now finish."""
-        self.scripts("seal", [self.keys.job(job_id), self.keys.events()], [job_id, lines])
+    def seal_job(self, job_id: str, submission: str, lines: int = 0, line_errors: int = 0) -> None:
+        """``submission`` is complete: the job may now finish (once no submitter adds)."""
+        keys = [self.keys.job(job_id), self.keys.events()]
+        self.scripts("seal", keys, [job_id, lines, submission, "1", line_errors])
+
+    def release_submitter(self, job_id: str, submission: str) -> None:
+        """``submission`` stopped before completing (an error, a cancel): it no longer holds
+        the job open, and does not seal it."""
+        keys = [self.keys.job(job_id), self.keys.events()]
+        self.scripts("seal", keys, [job_id, 0, submission, "0", 0])
+
+    def submit_chunk(self, job_id: str, submission: str, lines: Sequence[Queued]) -> list[str]:
+        """Enqueue one chunk of a bulk job in one script (see ``submit`` in scripts.lua);
+        returns per line 'q' (enqueued), 's' (skipped: its custom_id is live or succeeded)
+        or 'd' (its custom_id came earlier in this submission)."""
+        if not lines:
+            return []
+        pairs: dict[str, int] = {}
+        keys = [
+            self.keys.job(job_id),
+            self.keys.job_custom_ids(job_id),
+            self.keys.job_tasks(job_id),
+            self.keys.jobs_submitting(),
+            self.keys.job_depth(),
+        ]
+        for line in lines:
+            if line.modality not in pairs:
+                pairs[line.modality] = len(pairs) + 1
+                keys += [self.keys.job_queue(line.modality, job_id)]
+                keys += [self.keys.active_jobs(line.modality)]
+        args: list[Any] = [job_id, self.ttl_s, submission, self.submitter_lease_s]
+        args += [self.keys.task_prefix, len(pairs), len(QUEUED_FIELDS), *QUEUED_FIELDS]
+        for line in lines:
+            keys.append(self.keys.task(line.task_id))
+            values = [_as_text(line.fields.get(name)) for name in QUEUED_FIELDS]
+            args += [line.custom_id or "", pairs[line.modality], *values, line.message]
+        return [str(code) for code in self.scripts("submit", keys, args)]
+
+    def reap_submitters(self, limit: int = 100) -> int:
+        """Look again at jobs whose last submitter stopped renewing (crashed before it
+        sealed): finished now if everything else is done."""
+        keys = [self.keys.jobs_submitting(), self.keys.events()]
+        return int(self.scripts("reap_submitters", keys, [self.keys.job_prefix, limit]))
 
     def request_cancel(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "cancel_requested", "1")

@@ -1,33 +1,31 @@
 """Bulk submission of a JSONL stream: streamed, pipelined, resumable, idempotent.
 
-The file is read line by line and enqueued in pipelined chunks, never held in
-memory. Each chunk costs three round trips: look up the chunk's ``custom_id``s
-already known to the job, read their states, then one transaction that writes
-status hashes, job counters and messages. Submitting the same file again for
-the same job enqueues only the ``custom_id``s that are not succeeded or in
-flight (queued / running); a failed, cancelled or expired one gets a fresh
-task that replaces the old one in the job's counts. A malformed line becomes
-an error record (line, ``custom_id``, code, message) stored with the job.
+The file is read line by line and enqueued in chunks, never held in memory. Each chunk is
+one script call (``submit`` in config/scripts.lua) that decides and writes it atomically:
+claim each line's ``custom_id``, write its status hash and message, count it. Submitting the
+same file again for the same job, or any number of submitters of one job at once (the CLI
+twice, the CLI and the API), enqueues only the ``custom_id``s that are not succeeded or in
+flight (queued / running), each once; a failed, cancelled or expired one gets a fresh task
+that replaces the old one in the job's counts. A malformed line becomes an error record
+(line, ``custom_id``, code, message) stored with the job. The job is not finished while a
+submitter is still adding (each holds a lease its chunks renew).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
 from vlmq.config.schemas import Request, new_task_id
-from vlmq.config.status import TaskState
 from vlmq.producers.client import Client
 
 __all__ = ["SubmitReport", "submit_jsonl"]
-
-_IN_FLIGHT_OR_DONE = {TaskState.QUEUED.value, TaskState.RUNNING.value, TaskState.SUCCEEDED.value}
 
 
 @dataclass
@@ -52,18 +50,27 @@ def _parsed(lines: Iterable[str], job_id: str) -> Iterator[ParsedLine]:
 
 
 def _with_custom_id(parsed: ParsedLine) -> ParsedLine:
-    """Lines without a custom_id get one from their line number, so a resubmit
-    of the same file recognises them."""
+    """Lines without a custom_id get one from their content (not their line number), so a
+    resubmit of the same file, or of an edited one, recognises them. Two identical lines
+    get one id: the second is a duplicate (give each a custom_id to run both)."""
     request = parsed.request
     if request is None or request.custom_id is not None:
         return parsed
     return ParsedLine(
-        parsed.line, request=request.model_copy(update={"custom_id": f"line-{parsed.line}"})
+        parsed.line, request=request.model_copy(update={"custom_id": content_id(request)})
     )
 
 
+def content_id(request: Request) -> str:
+    """A custom_id from what a request asks (messages and generation fields), not from where
+    it sits in its file."""
+    asked = request.model_dump(mode="json", exclude={"id", "job_id", "custom_id"})
+    digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
+    return f"sha256-{digest[:32]}"
+
+
 class _ChunkWriter:
-    """Enqueues one chunk of parsed lines for a job."""
+    """Enqueues one chunk of parsed lines for a job: one script call decides and writes it."""
 
     def __init__(
         self,
@@ -83,101 +90,61 @@ class _ChunkWriter:
         self.submission = submission
 
     def write(self, chunk: list[ParsedLine], report: SubmitReport) -> None:
-        requests, errors = self._split(chunk)
-        existing = self._existing(requests)
-        pipe = self.client.redis.pipeline(transaction=True)
-        for error in errors:
-            self._record_error(pipe, error)
-        fresh: list[Request] = []
-        for request in requests:
-            previous = existing.get(str(request.custom_id))
-            if previous is not None and previous[1] in _IN_FLIGHT_OR_DONE:
-                report.skipped += 1
-                continue
-            if previous is not None:
-                self._supersede(pipe, *previous)
-            fresh.append(request)
-        if fresh:
-            self.client.enqueue(pipe, fresh, self.lane, self.client.expiry_after(self.expires_in_s))
-            mapping = {str(r.custom_id): f"{r.id}:{self.submission}" for r in fresh}
-            pipe.hset(self.keys.job_custom_ids(self.job_id), mapping=mapping)  # type: ignore[arg-type]
-            pipe.rpush(self.keys.job_tasks(self.job_id), *[r.id for r in fresh])
-        pipe.execute()
-        report.enqueued += len(fresh)
+        errors = [p.error for p in chunk if p.error is not None]
+        # Lines about one image or clip next to each other: one pull takes them to one
+        # worker, whose media cache then decodes it once (media affinity, bench/README.md).
+        valid = sorted((p for p in chunk if p.request is not None), key=_media_of)
+        requests = [self._request(p) for p in valid]
+        expires = self.client.expiry_after(self.expires_in_s)
+        lines = [self.client.queued(r, self.lane, expires) for r in requests]
+        codes = self.client.status_db.submit_chunk(self.job_id, self.submission, lines)
+        for parsed, code in zip(valid, codes, strict=True):
+            if code == "d":
+                errors.append(_duplicate(parsed))
+        self._record_errors(errors)
+        report.enqueued += codes.count("q")
+        report.skipped += codes.count("s")
         report.errors += len(errors)
 
-    def _split(self, chunk: list[ParsedLine]) -> tuple[list[Request], list[LineError]]:
-        requests: list[Request] = []
-        errors: list[LineError] = []
-        seen: set[str] = set()
-        known = self._submitted_now([p.request for p in chunk if p.request])
-        for parsed in chunk:
-            if parsed.error is not None:
-                errors.append(parsed.error)
-                continue
-            assert parsed.request is not None
-            custom_id = str(parsed.request.custom_id)
-            if custom_id in seen or custom_id in known:
-                errors.append(
-                    LineError(
-                        parsed.line,
-                        custom_id,
-                        "duplicate_custom_id",
-                        f"custom_id {custom_id[:80]!r} appears more than once",
-                    )
-                )
-                continue
-            seen.add(custom_id)
-            # A fresh task id per submission: a retried custom_id is a new task.
-            request = parsed.request.model_copy(update={"id": new_task_id()})
-            if self.base_dir is not None:
-                request = request.resolve_local_paths(self.base_dir)
-            requests.append(request)
-        return requests, errors
+    def _request(self, parsed: ParsedLine) -> Request:
+        assert parsed.request is not None
+        # A fresh task id per submission: a retried custom_id is a new task.
+        request = parsed.request.model_copy(update={"id": new_task_id()})
+        if self.base_dir is not None:
+            request = request.resolve_local_paths(self.base_dir)
+        return request
 
-    def _submitted_now(self, requests: list[Request | None]) -> set[str]:
-        """custom_ids already enqueued earlier in this same submission (duplicates)."""
-        ids = [str(r.custom_id) for r in requests if r is not None]
-        if not ids:
-            return set()
-        values: list[str | None] = self.client.redis.hmget(  # type: ignore[assignment]
-            self.keys.job_custom_ids(self.job_id), ids
-        )
-        return {
-            cid
-            for cid, v in zip(ids, values, strict=True)
-            if v is not None and v.endswith(f":{self.submission}")
+    def _record_errors(self, errors: list[LineError]) -> None:
+        """Keep the first ``max_line_errors`` records (the job counts them all): a file of
+        millions of bad lines must not fill Redis."""
+        key = self.keys.job_errors(self.job_id)
+        room = self.client.settings.fleet.max_line_errors - int(self.client.redis.hlen(key))
+        if not errors or room <= 0:
+            return
+        records = {
+            str(e.line): json.dumps(e.to_record(), separators=(",", ":")) for e in errors[:room]
         }
+        pipe = self.client.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=records)  # type: ignore[arg-type]
+        pipe.expire(key, self.client.status_db.ttl_s)
+        pipe.execute()
 
-    def _existing(self, requests: list[Request]) -> dict[str, tuple[str, str]]:
-        """custom_id -> (task id, state) for ids a previous submission enqueued."""
-        ids = [str(r.custom_id) for r in requests]
-        if not ids:
-            return {}
-        values: list[str | None] = self.client.redis.hmget(  # type: ignore[assignment]
-            self.keys.job_custom_ids(self.job_id), ids
-        )
-        known = {cid: v.split(":")[0] for cid, v in zip(ids, values, strict=True) if v}
-        states = self.client.status_db.tasks(list(known.values()), ("state",))
-        return {
-            cid: (task, s.get("state", "unknown"))
-            for (cid, task), s in zip(known.items(), states, strict=True)
-        }
 
-    def _supersede(self, pipe: Any, task_id: str, state: str) -> None:
-        """The old task of a resubmitted custom_id leaves the job's counts."""
-        job = self.keys.job(self.job_id)
-        pipe.hincrby(job, "total", -1)
-        if state in {s.value for s in TaskState} and state != TaskState.UNKNOWN.value:
-            pipe.hincrby(job, state, -1)
-        pipe.hset(self.keys.task(task_id), "superseded", "1")
+def _media_of(parsed: ParsedLine) -> tuple[str, ...]:
+    """The sort key that groups a chunk's lines by media (stable: otherwise in file order)."""
+    assert parsed.request is not None
+    return parsed.request.media_sources()
 
-    def _record_error(self, pipe: Any, error: LineError) -> None:
-        pipe.hset(
-            self.keys.job_errors(self.job_id),
-            str(error.line),
-            json.dumps(error.to_record(), separators=(",", ":")),
-        )
+
+def _duplicate(parsed: ParsedLine) -> LineError:
+    assert parsed.request is not None
+    custom_id = str(parsed.request.custom_id)
+    return LineError(
+        parsed.line,
+        custom_id,
+        "duplicate_custom_id",
+        f"custom_id {custom_id[:80]!r} appears more than once",
+    )
 
 
 def submit_jsonl(
@@ -195,13 +162,19 @@ def submit_jsonl(
 ) -> SubmitReport:
     """Stream ``lines`` into job ``job_id``; safe to call again with the same file."""
     report = SubmitReport(job_id, started=time.monotonic())
-    client.open_job(job_id, name=name, expires_in_s=completion_window_s, webhook_url=webhook_url)
-    writer = _ChunkWriter(client, job_id, lane, completion_window_s, base_dir, new_task_id()[:12])
+    submission = client.open_job(
+        job_id, name=name, expires_in_s=completion_window_s, webhook_url=webhook_url
+    )
+    writer = _ChunkWriter(client, job_id, lane, completion_window_s, base_dir, submission)
     parsed = (_with_custom_id(p) for p in _parsed(lines, job_id))
-    while batch := list(islice(parsed, chunk)):
-        report.lines += len(batch)
-        writer.write(batch, report)
-        if on_progress is not None:
-            on_progress(report)
-    client.seal_job(job_id, lines=report.lines)
+    try:
+        while batch := list(islice(parsed, chunk)):
+            report.lines += len(batch)
+            writer.write(batch, report)
+            if on_progress is not None:
+                on_progress(report)
+    except BaseException:
+        client.status_db.release_submitter(job_id, submission)
+        raise
+    client.seal_job(job_id, submission, lines=report.lines, line_errors=report.errors)
     return report

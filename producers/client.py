@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import islice
 from typing import Any
@@ -25,10 +26,10 @@ from vlmq.config.errors import InvalidRequest
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
-from vlmq.config.schemas import Request
+from vlmq.config.schemas import Request, new_task_id
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL, TaskState
-from vlmq.config.statusdb import StatusDB
+from vlmq.config.statusdb import Queued, StatusDB
 from vlmq.config.wire import encode_message, list_for_priority
 
 __all__ = ["Client", "as_request"]
@@ -59,7 +60,12 @@ class Client:
         self.settings = settings
         self.redis = redis or create_redis(settings)
         self.keys = Keys(settings.fleet.key_prefix)
-        self.status_db = StatusDB(self.redis, self.keys, ttl_s=settings.fleet.task_ttl_s)
+        self.status_db = StatusDB(
+            self.redis,
+            self.keys,
+            ttl_s=settings.fleet.task_ttl_s,
+            submitter_lease_s=settings.fleet.submitter_lease_s,
+        )
         self._store = store
 
     @property
@@ -70,49 +76,55 @@ class Client:
         return self._store
 
     # enqueue -------------------------------------------------------------
+    def queued(
+        self, request: Request, lane: str = "bulk", expires: datetime | None = None
+    ) -> Queued:
+        """``request`` as it is enqueued: its queue, status fields and Celery message."""
+        queue = self._queue_for(request, lane)
+        fields = {
+            "job_id": request.job_id,
+            "custom_id": request.custom_id,
+            "modality": request.modality.value,
+            "queue": queue,
+            "expires_at": f"{expires.timestamp():.3f}" if expires else None,
+        }
+        wire = request.model_dump_json(exclude_none=True)
+        message = encode_message(wire, request.id, queue, expires=expires)
+        return Queued(request.id, request.custom_id, request.modality.value, fields, message)
+
     def enqueue(
         self,
         pipe: Any,
         requests: list[Request],
-        lane: str = "bulk",
+        lane: str = "interactive",
         expires: datetime | None = None,
     ) -> None:
-        """Write status hashes, job counters and messages for ``requests`` into
-        the caller's pipeline: two commands per task, the rest per chunk."""
+        """Write status hashes and messages of requests outside any bulk job (a lane's
+        own list) into the caller's pipeline: two commands per task, one push per list.
+        A bulk job's lines go through ``StatusDB.submit_chunk`` instead."""
         pushes: dict[str, list[str]] = {}
-        active: dict[str, set[str]] = {}
         jobs: dict[str, int] = {}
         for request in requests:
-            queue, per_job = self._queue_for(request, lane)
-            fields = {
-                "job_id": request.job_id,
-                "custom_id": request.custom_id,
-                "modality": request.modality.value,
-                "queue": queue,
-                "expires_at": f"{expires.timestamp():.3f}" if expires else None,
-            }
-            self.status_db.add_queued(pipe, request.id, fields, count_job=False)
-            wire = request.model_dump_json(exclude_none=True)
-            message = encode_message(wire, request.id, queue, expires=expires)
-            pushes.setdefault(list_for_priority(queue, 0), []).append(message)
-            if per_job:
-                active.setdefault(self.keys.active_jobs(request.modality.value), set()).add(queue)
+            if request.job_id is not None and lane == "bulk":
+                raise InvalidRequest(
+                    "a bulk job's tasks are submitted with submit_many or vlmq submit"
+                )
+            line = self.queued(request, lane, expires)
+            self.status_db.add_queued(pipe, request.id, line.fields, count_job=False)
+            queue = str(line.fields["queue"])
+            pushes.setdefault(list_for_priority(queue, 0), []).append(line.message)
             if request.job_id:
                 jobs[request.job_id] = jobs.get(request.job_id, 0) + 1
         for job_id, count in jobs.items():
             self.status_db.count_queued(pipe, job_id, count)
         for name, messages in pushes.items():
             pipe.lpush(name, *messages)
-        # After the pushes, in the same transaction: a worker that finds a job
-        # list empty removes it from the set, so the order matters.
-        for key, queues in active.items():
-            pipe.sadd(key, *queues)
 
-    def _queue_for(self, request: Request, lane: str) -> tuple[str, bool]:
+    def _queue_for(self, request: Request, lane: str) -> str:
         modality = request.modality.value
         if lane == "bulk" and request.job_id is not None:
-            return self.keys.job_queue(modality, request.job_id), True
-        return self.keys.queue(modality, lane), False
+            return self.keys.job_queue(modality, request.job_id)
+        return self.keys.queue(modality, lane)
 
     def submit(
         self,
@@ -140,6 +152,7 @@ class Client:
         expires_in_s: float | None = None,
         chunk: int = 2000,
         name: str | None = None,
+        webhook_url: str | None = None,
     ) -> str:
         """Validate all, then enqueue in pipelined chunks; returns the job id.
 
@@ -149,15 +162,30 @@ class Client:
         job_id = job_id or uuid.uuid4().hex
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
         self._refuse_known_ids(requests)
-        self.open_job(job_id, name=name, expires_in_s=expires_in_s)
+        submission = self.open_job(job_id, name, expires_in_s, webhook_url)
         expires = self.expiry_after(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
-            pipe = self.redis.pipeline(transaction=True)
-            self.enqueue(pipe, batch, lane, expires)
-            pipe.rpush(self.keys.job_tasks(job_id), *[r.id for r in batch])
-            pipe.execute()
-        self.seal_job(job_id, lines=len(requests))
+            # Requests about one image or clip next to each other: one pull takes them to
+            # one worker, whose media cache decodes it once (bench/README.md, affinity).
+            batch.sort(key=Request.media_sources)
+            if lane == "bulk":
+                # Every item is a new task (no custom_id claims: ids are the caller's).
+                lines = [replace(self.queued(r, lane, expires), custom_id=None) for r in batch]
+                self.status_db.submit_chunk(job_id, submission, lines)
+            else:
+                self._enqueue_in_lane(job_id, batch, lane, expires)
+        self.seal_job(job_id, submission, lines=len(requests))
         return job_id
+
+    def _enqueue_in_lane(
+        self, job_id: str, requests: list[Request], lane: str, expires: datetime | None
+    ) -> None:
+        """A job's tasks in the interactive lane: the lane's list, the job's counts."""
+        pipe = self.redis.pipeline(transaction=True)
+        self.enqueue(pipe, requests, lane, expires)
+        pipe.rpush(self.keys.job_tasks(job_id), *[r.id for r in requests])
+        pipe.expire(self.keys.job_tasks(job_id), self.status_db.ttl_s)  # after the push
+        pipe.execute()
 
     def _refuse_known_ids(self, requests: list[Request], chunk: int = 5000) -> None:
         """A task id names one task forever: re-enqueueing one that exists would
@@ -187,11 +215,15 @@ class Client:
         name: str | None = None,
         expires_in_s: float | None = None,
         webhook_url: str | None = None,
-    ) -> None:
-        self.status_db.open_job(job_id, name, expires_in_s, webhook_url)
+    ) -> str:
+        """Open (or reopen) a job for one submitter; returns its submission id, which
+        ``seal_job`` takes when that submitter is done adding."""
+        submission = new_task_id()[:16]
+        self.status_db.open_job(job_id, submission, name, expires_in_s, webhook_url)
+        return submission
 
-    def seal_job(self, job_id: str, lines: int = 0) -> None:
-        self.status_db.seal_job(job_id, lines)
+    def seal_job(self, job_id: str, submission: str, lines: int = 0, line_errors: int = 0) -> None:
+        self.status_db.seal_job(job_id, submission, lines, line_errors)
 
     # status ----------------------------------------------------------------
     def status(self, task_or_job_id: str) -> dict[str, Any]:

@@ -32,7 +32,8 @@ def job_summary(client: Client, job_id: str) -> dict[str, Any]:
     job = client.status_db.job(job_id)
     if job.state is JobState.UNKNOWN:
         return {"job_id": job_id, "state": job.state.value}
-    errors = int(client.redis.hlen(client.keys.job_errors(job_id)))
+    stored = int(client.redis.hlen(client.keys.job_errors(job_id)))
+    errors = max(job.line_errors, stored)  # every bad line counted; the first ones stored
     created = job.created_at or time.time()
     elapsed = (job.finished_at or time.time()) - created
     rate = job.done / elapsed if elapsed > 0 else 0.0

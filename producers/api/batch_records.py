@@ -42,7 +42,10 @@ class BatchRecords:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.key(batch_id), mapping={k: v for k, v in fields.items()})
         pipe.expire(self.key(batch_id), self.ttl_s)
-        pipe.zadd(self.index, {batch_id: time.time()})
+        now = time.time()
+        pipe.zadd(self.index, {batch_id: now})
+        # Entries older than a record's ttl name records Redis already dropped.
+        pipe.zremrangebyscore(self.index, "-inf", now - self.ttl_s)
         pipe.execute()
 
     def get(self, batch_id: str) -> dict[str, str] | None:

@@ -136,7 +136,6 @@ class BatchWork:
 
         try:
             if self.records.has(batch_id, "cancelling_at"):
-                self.client.open_job(batch_id)  # cancelled before a line was read
                 raise _CancelRequested
             submit_jsonl(
                 self.client,
@@ -148,8 +147,10 @@ class BatchWork:
                 on_progress=progress,
             )
         except _CancelRequested:
-            # The job must be sealed to finish; then cancel the last chunk too.
-            self.client.seal_job(batch_id, lines=report.lines)
+            # The job must be sealed to finish (opened first: it may be cancelled before a
+            # line was read); then cancel the last chunk too.
+            submission = self.client.open_job(batch_id)
+            self.client.seal_job(batch_id, submission, lines=report.lines)
             self.client.cancel(batch_id)
         self.records.mark_once(batch_id, "submitted_at")
 
@@ -159,7 +160,8 @@ class BatchWork:
         self.records.update(batch_id, error_code=code, error_message=message)
         self.records.mark_once(batch_id, "failed_at")
         if self.client.status_db.job_exists(batch_id):
-            self.client.seal_job(batch_id)
+            # (submit_jsonl released its own submitter lease when it failed)
+            self.client.seal_job(batch_id, submission="")
             self.client.cancel(batch_id)
 
     # finalization ------------------------------------------------------------

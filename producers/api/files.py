@@ -57,8 +57,11 @@ class FileRegistry:
         key = self.client.keys.file(file_id)
         pipe = self.client.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={k: str(v) for k, v in meta.items()})
-        pipe.expire(key, self.client.settings.fleet.task_ttl_s)
-        pipe.zadd(self.index, {file_id: time.time()})
+        ttl_s, now = self.client.settings.fleet.task_ttl_s, time.time()
+        pipe.expire(key, ttl_s)
+        pipe.zadd(self.index, {file_id: now})
+        # Entries older than a record's ttl name records Redis already dropped.
+        pipe.zremrangebyscore(self.index, "-inf", now - ttl_s)
         pipe.execute()
         return _file_object(meta)
 

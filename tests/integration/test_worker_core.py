@@ -98,8 +98,8 @@ def test_webhooks_need_a_signing_secret(settings: Settings) -> None:
     receiver = HookReceiver()
     client = Client(settings)
     try:
-        client.open_job("unsigned", webhook_url=receiver.url)
-        client.submit_many([[{"role": "user", "content": "x"}]], job_id="unsigned")
+        conversation = [{"role": "user", "content": "x"}]
+        client.submit_many([conversation], job_id="unsigned", webhook_url=receiver.url)
         hooks = WebhookSettings(allow_private_addresses=True)  # no secret
         loop = make_loop(settings, RecordingEngine(), reap_interval_s=0.05, webhooks=hooks)
         with Running(loop):
@@ -119,8 +119,8 @@ def test_a_stopping_sender_gives_its_event_back(settings: Settings) -> None:
     client = Client(settings)
     status = StatusDB(client.redis, Keys())
     try:
-        client.open_job("handed-over", webhook_url=receiver.url)
-        client.submit_many([[{"role": "user", "content": "x"}]], job_id="handed-over")
+        conversation = [{"role": "user", "content": "x"}]
+        client.submit_many([conversation], job_id="handed-over", webhook_url=receiver.url)
         status.redis.lpush(Keys().events(), "handed-over")
         hooks = WebhookSettings(secret="k", allow_private_addresses=True, timeout_s=1)
         first = WebhookSender(status, hooks, workers=1)

@@ -1,7 +1,8 @@
 """The chores any worker does for the whole fleet, every ``reap_interval_s``.
 
 Put back messages whose holder stopped renewing their lease (it died), expire the queued tasks
-of jobs past their completion window, and take finished-job events for their webhooks.
+of jobs past their completion window, finish jobs whose last submitter crashed before sealing,
+and take finished-job events for their webhooks.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Housekeeper:
         if moved:
             log.warning("requeued %d messages whose worker stopped renewing", moved)
         self.expire_jobs()
+        self.status.reap_submitters()
         self.webhooks.poll()
 
     def expire_jobs(self) -> int:

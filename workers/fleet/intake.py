@@ -74,7 +74,13 @@ def _status(values: Sequence[str | None]) -> dict[str, str]:
 
 
 def _bookkeeping(keys: Keys) -> list[str]:
-    return [keys.inflight(), keys.leases(), keys.lease_queue(), keys.lease_active()]
+    return [
+        keys.inflight(),
+        keys.leases(),
+        keys.lease_queue(),
+        keys.lease_active(),
+        keys.job_depth(),
+    ]
 
 
 def _pairs(held: Mapping[str, int]) -> list[Any]:
@@ -84,8 +90,11 @@ def _pairs(held: Mapping[str, int]) -> list[Any]:
 class Intake:
     """Pulls one modality class's messages into this worker's leases."""
 
-    def __init__(self, scripts: Scripts, keys: Keys, modality: str) -> None:
+    def __init__(
+        self, scripts: Scripts, keys: Keys, modality: str, task_ttl_s: int = 7 * 86400
+    ) -> None:
         self.modality = modality
+        self.task_ttl_s = task_ttl_s
         self.keys = keys
         self.scripts = scripts
         self.first = priority_lists(keys.queue(modality, "interactive"))
@@ -96,6 +105,7 @@ class Intake:
         ``lease_s`` seconds of Redis's clock."""
         keys = [*_bookkeeping(self.keys), self.keys.active_jobs(self.modality), *self.lists]
         args = [limit, lease_s, self.keys.task_prefix, len(self.first), _TERMINAL_CSV]
+        args.append(self.task_ttl_s)
         now, dropped, rows = self.scripts("pull", keys, args)
         deliveries = [Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3])) for r in rows]
         return Pull(deliveries, float(now), int(dropped))

@@ -78,7 +78,7 @@ def compose_loop(
     parts = LoopParts(
         engine=as_generation_engine(engine),
         status=status,
-        intakes={m: Intake(status.scripts, keys, m) for m in modalities},
+        intakes={m: Intake(status.scripts, keys, m, fleet.task_ttl_s) for m in modalities},
         leases=leases,
         held=held,
         settler=settler,

@@ -33,6 +33,9 @@ from vlmq.workers.fleet.work import Work, failure_settlement
 
 __all__ = ["Triage"]
 
+# A dead letter keeps the head of its message (enough to see what it was), not all of it.
+DEAD_LETTER_MESSAGE_CHARS = 4096
+
 log = logging.getLogger(__name__)
 
 
@@ -124,11 +127,14 @@ class Triage:
 
     def _dead_letter(self, item: Work, reason: str) -> None:
         self.observer.dead_lettered(item.task_id)
+        raw = item.delivery.raw
         record = {"task_id": item.task_id, "reason": reason, "at": time.time()}
-        record["message"] = item.delivery.raw
-        self.status.redis.lpush(
-            self.status.keys.dead_letters(), json.dumps(record, separators=(",", ":"))
-        )
+        record |= {"message": raw[:DEAD_LETTER_MESSAGE_CHARS], "message_chars": len(raw)}
+        key = self.status.keys.dead_letters()
+        pipe = self.status.redis.pipeline(transaction=True)
+        pipe.lpush(key, json.dumps(record, separators=(",", ":")))
+        pipe.ltrim(key, 0, max(0, self.fleet.max_dead_letters - 1))
+        pipe.execute()
         self.fail(item, DeadLettered(reason))
 
     def fail(self, item: Work, error: PermanentError, state: TaskState = TaskState.FAILED) -> None:

@@ -333,8 +333,8 @@ def webhook_sender_dies(h: Harness) -> dict[str, Any]:
         "VLMQ_WEBHOOKS__TIMEOUT_S": "20",
     }
     try:
-        h.client.open_job("hooked", webhook_url=receiver.url)
-        h.client.submit_many([[{"role": "user", "content": "x"}]], job_id="hooked")
+        conversation = [{"role": "user", "content": "x"}]
+        h.client.submit_many([conversation], job_id="hooked", webhook_url=receiver.url)
         dying = h.noop_worker("dying", 0.05, **hooks)
         wait_until(lambda: receiver.requests_seen >= 1, timeout=60, what="the first attempt")
         h.kill(dying)

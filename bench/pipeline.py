@@ -50,7 +50,7 @@ from typing import Any
 
 from bench.common import machine, replace_section
 from bench.fencing import worktree
-from bench.fleet import _stop
+from bench.fleet import _stop, _wait
 from bench.realmedia import clips, photos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def start_worker(
     )
     log.close()
     bench.procs[name] = proc
-    _wait(lambda: _alive(bench, name) and _registered(bench, name), 600, f"worker {name}")
+    _wait(lambda: _alive(bench, name) and _registered(bench, name), 600, f"worker {name}", 0.005)
     return proc
 
 
@@ -197,14 +197,6 @@ def _registered(bench: Services, name: str) -> bool:
     from vlmq.config.keys import Keys
 
     return bool(bench.client.redis.hexists(Keys().workers(), name))
-
-
-def _wait(check: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.005) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)
 
 
 @contextmanager
@@ -233,7 +225,8 @@ def run_job(bench: Services, name: str, workload: Workload) -> JobRun:
     with running(bench, name):
         started = time.perf_counter()
         job = bench.client.submit_many(workload.items)
-        _wait(lambda: _alive(bench, name) and bench.client.status(job)["finished"], 1200, "a job")
+        done = partial(_job_finished, bench, job)
+        _wait(lambda: _alive(bench, name) and done(), 1200, "a job", 0.005)
         seconds = time.perf_counter() - started
     records = [bench.client.result(t) for t in bench.client.job_task_ids(job)]
     failed = [r for r in records if r.get("status") != "succeeded"]
@@ -387,7 +380,7 @@ def affinity_section(bench: Services, model: Path, report: Report) -> None:
                 load = _affinity_job(paths, grouped)
                 started = time.perf_counter()
                 job = bench.client.submit_many(load.items)
-                _wait(partial(_job_finished, bench, job), 1200, "a job")
+                _wait(partial(_job_finished, bench, job), 1200, "a job", 0.005)
                 seconds = time.perf_counter() - started
                 records = [bench.client.result(t) for t in bench.client.job_task_ids(job)]
                 hits = sum(int(r["timings"].get("media_cache_hits", 0)) for r in records)

@@ -361,6 +361,13 @@ function commands.reap_events()
   return return_events(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now(), 'LIMIT', 0, 1000))
 end
 
+-- This submitter is adding to the job until `lease` (its field in the job hash), and the
+-- submitting zset looks at the job again once its latest submitter's lease lapses.
+local function hold_submitter(jobkey, job, sub, lease, submitting)
+  redis.call('HSET', jobkey, 'sub:' .. sub, stamp(lease))
+  redis.call('ZADD', submitting, 'GT', lease, job)
+end
+
 -- open_job: create (or reopen, for a resubmission) a job; unsealed until submitted, and not
 -- finished while this submitter holds its lease (renewed by every chunk it submits).
 -- KEYS[1] job hash, KEYS[2] expiry zset, KEYS[3] submitting zset (job id -> latest submitter
@@ -370,9 +377,7 @@ function commands.open_job()
   local t, key = now(), KEYS[1]
   redis.call('HSETNX', key, 'created_at', stamp(t))
   redis.call('HSET', key, 'job_id', ARGV[2], 'sealed', '0')
-  local lease = t + tonumber(ARGV[8])
-  redis.call('HSET', key, 'sub:' .. ARGV[7], stamp(lease))
-  redis.call('ZADD', KEYS[3], 'GT', lease, ARGV[2])
+  hold_submitter(key, ARGV[2], ARGV[7], t + tonumber(ARGV[8]), KEYS[3])
   redis.call('HDEL', key, 'finished_at')
   if ARGV[3] ~= '' then redis.call('HSET', key, 'name', ARGV[3]) end
   if ARGV[4] ~= '' then redis.call('HSET', key, 'webhook_url', ARGV[4]) end
@@ -492,9 +497,7 @@ function commands.submit()
     redis.call('HINCRBY', jobkey, 'total', added)
     redis.call('HINCRBY', jobkey, 'queued', added)
   end
-  local lease = t + tonumber(ARGV[5])
-  redis.call('HSET', jobkey, 'sub:' .. sub, stamp(lease))
-  redis.call('ZADD', KEYS[4], 'GT', lease, job)
+  hold_submitter(jobkey, job, sub, t + tonumber(ARGV[5]), KEYS[4])
   for _, k in ipairs({jobkey, claims, tasks}) do redis.call('EXPIRE', k, ttl) end
   return codes
 end

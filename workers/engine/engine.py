@@ -24,7 +24,7 @@ from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, Vlm
 from vlmq.config.schemas import Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.batching import plan_micro_batches
-from vlmq.workers.engine.interface import Collated
+from vlmq.workers.engine.interface import Collated, OneSlot
 from vlmq.workers.engine.model import LoadedModel, load_model, load_processor, processor_device
 from vlmq.workers.engine.prepare import Prepared, Preparer, video_frame_counts
 from vlmq.workers.engine.processors import ProcessorSet
@@ -62,7 +62,7 @@ class EngineStats:
 Run = list[tuple[Prepared, Completion | None, VlmqError | None]]
 
 
-class Engine:
+class Engine(OneSlot):
     """Owns one loaded model; ``setup()`` loads it, ``run()`` serves batches."""
 
     def __init__(
@@ -80,7 +80,6 @@ class Engine:
         self.stats = EngineStats(cache=self.loader.cache.stats)
         self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
         self._max_rows = self.settings.max_batch_size
-        self._submitted: Collated | None = None
 
     # lifecycle -------------------------------------------------------------
     def setup(self) -> Engine:
@@ -172,19 +171,13 @@ class Engine:
         ]
 
     # the generation interface (a continuous engine takes requests as slots free) -----
-    def capacity(self) -> int:
-        """Rows this engine can take now: a whole micro-batch when idle, none while one is
-        waiting to run (the HF engine runs static micro-batches)."""
-        return self._max_rows if self._submitted is None else 0
-
-    def submit(self, collated: Collated) -> None:
-        if self._submitted is not None:
-            raise RuntimeError("the HF engine runs one micro-batch at a time")
-        self._submitted = collated
+    def slot_rows(self) -> int:
+        """The HF engine runs static micro-batches of at most this many rows."""
+        return self._max_rows
 
     def poll(self, worker: str) -> list[Result]:
         """The results of what was submitted (all of it: generate runs here)."""
-        collated, self._submitted = self._submitted, None
+        collated = self._take()
         if collated is None:
             return []
         return [self.to_result(outcome, worker) for outcome in self.generate(collated)]

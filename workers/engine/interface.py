@@ -87,14 +87,21 @@ class RunsBatches(Protocol):
 
 class OneSlot:
     """``capacity`` and ``submit`` of an engine that runs what was submitted when polled,
-    one collated micro-batch at a time."""
+    one collated micro-batch at a time (the HF engine, the test and simulated engines)."""
 
     _submitted: Collated | None = None
 
+    def slot_rows(self) -> int:
+        """Rows one micro-batch may have (unbounded unless the engine says otherwise)."""
+        return 1 << 30
+
     def capacity(self) -> int:
-        return 0 if self._submitted is not None else 1 << 30
+        """A whole micro-batch when idle, none while one waits to run."""
+        return 0 if self._submitted is not None else self.slot_rows()
 
     def submit(self, collated: Collated) -> None:
+        if self._submitted is not None:
+            raise RuntimeError(f"{type(self).__name__} runs one micro-batch at a time")
         self._submitted = collated
 
     def _take(self) -> Collated | None:

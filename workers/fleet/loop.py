@@ -37,7 +37,7 @@ from vlmq.workers.fleet.intake import Held, Intake, Leases, Pull
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.pipeline import Pipeline
 from vlmq.workers.fleet.settle import Settler
-from vlmq.workers.fleet.stages import Job, Planned, StageClock
+from vlmq.workers.fleet.stages import Backoff, Job, Planned, StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.work import Work, failed_result, result_settlement
 
@@ -153,30 +153,28 @@ class BatchLoop:
 
     def _repeat(self, step: Callable[[], bool]) -> None:
         """Run ``step`` until stopped, backing off while it finds nothing to do."""
-        idle = self.fleet.idle_poll_min_s
-        outage = 0.1
+        backoff = Backoff((self.fleet.idle_poll_min_s, self.fleet.idle_poll_max_s))
         while not self.stop_event.is_set():
             try:
                 busy = step()
             except TRANSIENT_REDIS_ERRORS as exc:
                 # Redis restarted, unreachable, loading, read-only or full: what this worker
                 # holds stays leased (or is swept back by then); retry until it answers.
-                log.warning("Redis %s; retrying in %.1fs", type(exc).__name__, outage)
-                self.stop_event.wait(outage)
-                outage = min(outage * 2, 2.0)
+                wait = backoff.outage()
+                log.warning("Redis %s; retrying in %.1fs", type(exc).__name__, wait)
+                self.stop_event.wait(wait)
                 continue
-            outage = 0.1
+            backoff.answered()
             if busy:
-                idle = self.fleet.idle_poll_min_s
+                backoff.worked()
             else:
-                self.stop_event.wait(idle)
-                idle = min(idle * 2, self.fleet.idle_poll_max_s)
+                self.stop_event.wait(backoff.idle())
 
     def _turn_once(self) -> bool:
         """One batch through every stage, here (the serial loop)."""
         self.parts.housekeeper.tick()
-        if self.parts.settler.backlog > self.fleet.max_settle_backlog:
-            time.sleep(0.002)  # the store is slow or down: do not pull more
+        if self._store_backed_up():
+            time.sleep(0.002)
             return True
         job = self._admit_next()
         if job is None:
@@ -199,9 +197,11 @@ class BatchLoop:
         return True
 
     def _admit_when_room(self) -> Job | None:
-        if self.parts.settler.backlog > self.fleet.max_settle_backlog:
-            return None  # the store is slow or down: do not pull more
-        return self._admit_next()
+        return None if self._store_backed_up() else self._admit_next()
+
+    def _store_backed_up(self) -> bool:
+        """The store is slow or down: results wait to be settled, so pull no more."""
+        return self.parts.settler.backlog > self.fleet.max_settle_backlog
 
     # pull and admit ------------------------------------------------------------
     def _admit_next(self) -> Job | None:
@@ -306,13 +306,14 @@ class BatchLoop:
             return failed_result(item.request, item.error or exc, self.engine.model_name)
 
     def _collate_later(self, batch: list[Prepared], budget: int) -> Future[Collated]:
-        def collate() -> Collated:
-            with self.parts.clock.timing("collate"):
-                collated = self.engine.collate(batch)
-            collated.token_budget = budget
-            return collated
+        return self.parts.collate_pool.submit(self._collate, batch, budget)
 
-        return self.parts.collate_pool.submit(collate)
+    def _collate(self, items: list[Prepared], budget: int) -> Collated:
+        """A micro-batch's inputs, with the class's token budget for the engine call."""
+        with self.parts.clock.timing("collate"):
+            collated = self.engine.collate(items)
+        collated.token_budget = budget
+        return collated
 
     # generate --------------------------------------------------------------------
     def _generate_or_give_back(self, planned: Planned) -> None:
@@ -339,8 +340,7 @@ class BatchLoop:
                 for p, w in zip(collated.items, planned.works, strict=True)
                 if w.task_id in running
             ]
-            collated = self.engine.collate(kept)
-            collated.token_budget = self.policies[planned.job.modality].token_budget
+            collated = self._collate(kept, self.policies[planned.job.modality].token_budget)
         batch_id = uuid.uuid4().hex[:12]
         modality = planned.job.modality
         redelivered = sum(1 for w in started if w.token > 1)
@@ -374,7 +374,7 @@ class BatchLoop:
             log.warning("collating a micro-batch failed; retrying here", exc_info=True)
         items = planned.items
         try:
-            return self.engine.collate(items)
+            return self._collate(items, self.policies[planned.job.modality].token_budget)
         except Exception:
             log.exception("collating a micro-batch failed again")
             return Collated(items, None, 0.0)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.settings import WorkerSettings
-from vlmq.workers.fleet.stages import Job, Planned
+from vlmq.workers.fleet.stages import Backoff, Job, Planned
 
 __all__ = ["Pipeline"]
 
@@ -89,7 +89,7 @@ class Pipeline:
 
     # stage threads ---------------------------------------------------------------
     def _feed(self) -> None:
-        idle, outage = self._idle_s[0], 0.1
+        backoff = Backoff(self._idle_s)
         while not self._stop.is_set():
             if not self._wait_for_room():
                 continue
@@ -97,22 +97,21 @@ class Pipeline:
                 job = self._admit()
             except TRANSIENT_REDIS_ERRORS as exc:
                 self._slots.release()
-                log.warning("pipeline: Redis %s; retrying in %.1fs", type(exc).__name__, outage)
-                self._stop.wait(outage)
-                outage = min(outage * 2, 2.0)
+                wait = backoff.outage()
+                log.warning("pipeline: Redis %s; retrying in %.1fs", type(exc).__name__, wait)
+                self._stop.wait(wait)
                 continue
             except Exception:
                 self._slots.release()
                 log.exception("pipeline: pulling failed")
-                self._stop.wait(outage)
+                self._stop.wait(backoff.outage(grow=False))
                 continue
-            outage = 0.1
+            backoff.answered()
             if job is None:
                 self._slots.release()
-                self._stop.wait(idle)
-                idle = min(idle * 2, self._idle_s[1])
+                self._stop.wait(backoff.idle())
                 continue
-            idle = self._idle_s[0]
+            backoff.worked()
             with self._room:
                 self._unplanned += 1
             self._planning.put(job)

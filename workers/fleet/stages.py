@@ -20,7 +20,7 @@ from vlmq.workers.engine.interface import Collated
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.fleet.work import Work
 
-__all__ = ["Job", "Planned", "StageClock"]
+__all__ = ["Backoff", "Job", "Planned", "StageClock"]
 
 
 @dataclass
@@ -45,6 +45,37 @@ class Planned:
     suspect: bool = False
     items: list[Prepared] = field(default_factory=list)  # what ``collated`` is made of
     ready_at: float = field(default_factory=time.monotonic)
+
+
+class Backoff:
+    """The pauses of a polling loop: while it finds nothing, from ``idle_s[0]`` doubling to
+    ``idle_s[1]``; while Redis does not answer, from 0.1 s doubling to 2 s. Each starts over
+    once work (``worked``) or an answer (``answered``) comes."""
+
+    OUTAGE_S = (0.1, 2.0)
+
+    def __init__(self, idle_s: tuple[float, float]) -> None:
+        self.idle_s = idle_s
+        self._idle = idle_s[0]
+        self._outage = self.OUTAGE_S[0]
+
+    def worked(self) -> None:
+        self._idle = self.idle_s[0]
+
+    def answered(self) -> None:
+        self._outage = self.OUTAGE_S[0]
+
+    def idle(self) -> float:
+        """How long to pause now that nothing was found (the next pause is longer)."""
+        wait, self._idle = self._idle, min(self._idle * 2, self.idle_s[1])
+        return wait
+
+    def outage(self, grow: bool = True) -> float:
+        """How long to pause after an error (the next one longer, for Redis outages)."""
+        wait = self._outage
+        if grow:
+            self._outage = min(wait * 2, self.OUTAGE_S[1])
+        return wait
 
 
 class StageClock:

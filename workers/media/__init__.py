@@ -83,8 +83,11 @@ class MediaLoader:
 
     def _cached(self, key: str, compute: Callable[[], T], size_of: Callable[[T], int]) -> T:
         value, hit = self.cache.get_or_compute(key, compute, size_of)
-        self._local.hits = self.thread_hits() + hit
+        self._count_hits(hit)
         return value
+
+    def _count_hits(self, hits: int) -> None:
+        self._local.hits = self.thread_hits() + hits
 
     def load_image(
         self, source: str | Image.Image, downscale: Downscale | None = None
@@ -140,7 +143,7 @@ class MediaLoader:
             assert known is not None
             cached = self.cache.peek(version_key(source, known, kind, *params))
             if cached is not None:
-                self._local.hits = self.thread_hits() + 1
+                self._count_hits(1)
                 return cast(T, cached)
             data, tag = self.fetcher.fetch_versioned(source, kind)  # evicted: in full
             assert data is not None

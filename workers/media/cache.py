@@ -64,10 +64,9 @@ class MediaCache:
         if self.budget_bytes <= 0:
             return compute(), False
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                self.stats.hits += 1
-                return self._entries[key][0], True
+            entry = self._hit(key)
+            if entry is not None:
+                return entry[0], True
             pending = self._computing.get(key)
             if pending is None:
                 mine: Future[Any] = Future()
@@ -90,12 +89,17 @@ class MediaCache:
     def peek(self, key: str) -> Any | None:
         """The value under ``key`` if it is held (a hit), else None (not counted)."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
+            entry = self._hit(key)
+            return None if entry is None else entry[0]
+
+    def _hit(self, key: str) -> tuple[Any, int] | None:
+        """The entry under ``key``, made most recently used and counted a hit (the lock
+        held)."""
+        entry = self._entries.get(key)
+        if entry is not None:
             self._entries.move_to_end(key)
             self.stats.hits += 1
-            return entry[0]
+        return entry
 
     def _put(self, key: str, value: Any, size: int) -> None:
         """Keep the value (unless larger than the whole cache: served, not kept) and end

@@ -87,8 +87,9 @@ def decode_image(
                 img.draft("RGB", downscale.size_for(img.size))
             img.load()  # truncated data raises here: LOAD_TRUNCATED_IMAGES stays off
             image = to_rgb(_upright(img))
-            if downscale is not None and downscale.size_for(image.size) != image.size:
-                image = image.resize(downscale.size_for(image.size), Image.Resampling.BICUBIC)
+            target = downscale.size_for(image.size) if downscale is not None else image.size
+            if target != image.size:
+                image = image.resize(target, Image.Resampling.BICUBIC)
             return image
     except VlmqError:
         raise

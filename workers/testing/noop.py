@@ -125,19 +125,3 @@ class SimulatedAccelerator(OneSlot):
     def reject(self, prepared: Prepared, worker: str) -> Result:
         result: Result = self.engine.reject(prepared, worker)
         return result
-
-    def run(
-        self,
-        requests: Sequence[Request],
-        worker: str | None = None,
-        token_budget: int | None = None,
-    ) -> list[Result]:
-        """The serial path: every step in order on this thread."""
-        worker = worker or "simulated"
-        prepared = [self.prepare(r) for r in requests]
-        failed = {id(p): self.reject(p, worker) for p in prepared if p.error is not None}
-        done: dict[str, Result] = {}
-        for batch in self.plan([p for p in prepared if p.error is None], token_budget):
-            self.submit(self.collate(batch))
-            done |= {r.id: r for r in self.poll(worker)}
-        return [failed.get(id(p)) or done[p.request.id] for p in prepared]

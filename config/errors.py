@@ -6,6 +6,7 @@ that never contains a raw exception text, a stack trace or an object repr.
     VlmqError
     ├── PermanentError            the task fails; retrying cannot help
     │   ├── InvalidRequest        invalid_request
+    │   │   └── StagingRefused    staging_refused (media no store took and no worker could read)
     │   ├── MediaError
     │   │   ├── MediaFetchFailed  media_fetch_failed (4xx, missing file, bad URL)
     │   │   ├── MediaTooLarge     media_too_large
@@ -45,6 +46,7 @@ __all__ = [
     "PermanentError",
     "PromptTooLong",
     "RetryableError",
+    "StagingRefused",
     "StoreUnavailable",
     "TooManyMedia",
     "VlmqError",
@@ -90,6 +92,13 @@ class InvalidRequest(PermanentError):
     def __init__(self, message: str, field: str | None = None) -> None:
         self.field = field
         super().__init__(f"{field}: {message}" if field else message)
+
+
+class StagingRefused(InvalidRequest):
+    """A request's local media could not be staged and no worker could read it in place; the
+    message names the setting that fixes it. Raised before anything is enqueued."""
+
+    code = "staging_refused"
 
 
 class MediaError(PermanentError):

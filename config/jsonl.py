@@ -86,7 +86,11 @@ def to_request_fields(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def parse_line(text: str, line: int, job_id: str | None = None) -> ParsedLine:
+def parse_line(
+    text: str, line: int, job_id: str | None = None, task_id: str | None = None
+) -> ParsedLine:
+    """One line as a request or an error. ``task_id`` sets the request's id (a caller that
+    names its tasks itself saves generating one per line)."""
     custom_id = None
     try:
         obj = json.loads(text)
@@ -96,6 +100,8 @@ def parse_line(text: str, line: int, job_id: str | None = None) -> ParsedLine:
         fields = to_request_fields(obj)
         if job_id is not None:
             fields = {**fields, "job_id": job_id}
+        if task_id is not None:
+            fields = {**fields, "id": task_id}
         return ParsedLine(line, request=Request.model_validate(fields))
     except json.JSONDecodeError as exc:
         message = f"not valid JSON (column {exc.colno})"

@@ -85,7 +85,31 @@ class Keys:
         return f"{self.prefix}:job:{job_id}:tasks"
 
     def job_custom_ids(self, job_id: str) -> str:
+        """Hash claim (a digest of a custom_id) -> 'submission' while its task lives, then its
+        folded record 'submission code[delivery]' (scripts.lua ``fold``): the job's index of
+        its fed tasks, and all that is left of a finished one. ``job(id)`` plus this suffix
+        (the fold, learning the job from the task, appends it)."""
         return f"{self.prefix}:job:{job_id}:custom_ids"
+
+    def job_numbers(self) -> str:
+        """Counter giving each job a short number (fed task ids start with it)."""
+        return f"{self.prefix}:jobs:number"
+
+    def job_ref(self, number: str) -> str:
+        """String job number -> job id."""
+        return f"{self.prefix}:jobref:{number}"
+
+    @property
+    def job_ref_prefix(self) -> str:
+        return self.job_ref("")
+
+    def feeds(self) -> str:
+        """Sorted set feed id -> lease deadline of its feeder (0: free): inputs still entering."""
+        return f"{self.prefix}:feeds"
+
+    def feed(self, feed_id: str) -> str:
+        """Hash of one feed: job, input object, cursor (byte offset), lines left, lane."""
+        return f"{self.prefix}:feed:{feed_id}"
 
     def job_errors(self, job_id: str) -> str:
         """Hash line number -> invalid-line record of a bulk submission."""

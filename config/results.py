@@ -13,13 +13,27 @@ import json
 import os
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlparse
 
 from vlmq.config.errors import ConfigError, StoreUnavailable
 
-__all__ = ["FileStore", "ResultStore", "S3Store", "open_store", "result_key"]
+__all__ = [
+    "BlobWriter",
+    "FileStore",
+    "ResultStore",
+    "S3Store",
+    "open_store",
+    "result_key",
+    "split_lines",
+]
+
+# Bytes read per request when a stored file is read line by line, and the part size of a
+# multipart write (S3's minimum part is 5 MiB): what a streamed file costs in memory.
+READ_CHUNK = 1024 * 1024
+PART_BYTES = 8 * 1024 * 1024
 
 
 def result_key(task_id: str, job_id: str | None, delivery: int) -> str:
@@ -69,6 +83,193 @@ class ResultStore(ABC):
 
     def key_of(self, url_or_key: str) -> str:
         return url_or_key.removeprefix(self.url.rstrip("/") + "/")
+
+    def url_of(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    # streaming: files far larger than memory -------------------------------
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes, or None when it does not exist."""
+
+    @abstractmethod
+    def read_from(self, key: str, start: int = 0) -> Iterator[bytes]:
+        """The object's bytes from offset ``start``, in chunks of at most READ_CHUNK."""
+
+    @abstractmethod
+    def writer(self, key: str, content_type: str = "application/octet-stream") -> BlobWriter:
+        """A writer whose bytes become the object when it closes without error (multipart
+        on S3), and are discarded otherwise: nothing half-written is ever visible."""
+
+    def lines(self, key: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
+        """Each line (without its newline) from byte ``start``, with the offset just past
+        it: reading again from that offset resumes after the line."""
+        return split_lines(self.read_from(key, start), start)
+
+    def put_stream(
+        self, key: str, source: IO[bytes], content_type: str = "application/octet-stream"
+    ) -> int:
+        """Copy a readable stream into one object, a chunk at a time; returns its size."""
+        total = 0
+        with self.writer(key, content_type) as out:
+            while chunk := source.read(READ_CHUNK):
+                out.write(chunk)
+                total += len(chunk)
+        return total
+
+
+def split_lines(chunks: Iterator[bytes], start: int = 0) -> Iterator[tuple[int, bytes]]:
+    """Lines of a chunked byte stream, each with the offset just past its newline; a last
+    line without a newline ends at the end of the stream."""
+    offset = start
+    # The pieces of a line that spans chunks, joined once its newline arrives: appending
+    # to one bytes object would copy it again per chunk (quadratic in a long line, such
+    # as one with inline base64 images).
+    pending: list[bytes] = []
+    for chunk in chunks:
+        begin = 0
+        while (end := chunk.find(b"\n", begin)) >= 0:
+            line = b"".join([*pending, chunk[begin:end]]) if pending else chunk[begin:end]
+            pending.clear()
+            offset += len(line) + 1
+            yield offset, line
+            begin = end + 1
+        if begin < len(chunk):
+            pending.append(chunk[begin:])
+    if pending:
+        line = b"".join(pending)
+        yield offset + len(line), line
+
+
+class BlobWriter(ABC):
+    """Bytes written in order to one object; see ``ResultStore.writer``."""
+
+    @abstractmethod
+    def write(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class _FileWriter(BlobWriter):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        except OSError as exc:
+            raise StoreUnavailable("the results folder could not be written") from exc
+        self.tmp = tmp
+        self.handle = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.handle.write(data)
+        except OSError as exc:
+            raise StoreUnavailable("the results folder could not be written") from exc
+
+    def commit(self) -> None:
+        try:
+            self.handle.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise StoreUnavailable("the results folder could not be written") from exc
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.handle.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+class _S3Writer(BlobWriter):
+    """A multipart upload: parts of PART_BYTES as they fill, completed on commit."""
+
+    def __init__(self, client: Any, bucket: str, key: str, content_type: str) -> None:
+        self.client, self.bucket, self.key = client, bucket, key
+        self.content_type = content_type
+        self.buffer = bytearray()
+        self.parts: list[dict[str, Any]] = []
+        self.upload_id: str | None = None
+
+    def write(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) >= PART_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            if self.upload_id is None:
+                reply = self.client.create_multipart_upload(
+                    Bucket=self.bucket, Key=self.key, ContentType=self.content_type
+                )
+                self.upload_id = reply["UploadId"]
+            number = len(self.parts) + 1
+            part = self.client.upload_part(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=bytes(self.buffer),
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store did not accept the write") from exc
+        self.parts.append({"ETag": part["ETag"], "PartNumber": number})
+        self.buffer.clear()
+
+    def commit(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            if self.upload_id is None:  # small: one plain put
+                self.client.put_object(
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    Body=bytes(self.buffer),
+                    ContentType=self.content_type,
+                )
+                return
+            if self.buffer:
+                self._flush()
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": self.parts},
+            )
+        except (BotoCoreError, ClientError) as exc:
+            self.abort()
+            raise StoreUnavailable("the results store did not accept the write") from exc
+        except StoreUnavailable:
+            # The last part failed (_flush raised): an upload left open is billed by S3
+            # until a lifecycle rule removes it.
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if self.upload_id is not None:
+            with contextlib.suppress(BotoCoreError, ClientError):
+                self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=self.key, UploadId=self.upload_id
+                )
+        self.buffer.clear()
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -126,6 +327,22 @@ class FileStore(ResultStore):
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
+
+    def read_from(self, key: str, start: int = 0) -> Iterator[bytes]:
+        path = self._path(key)
+        if not path.is_file():
+            return
+        with path.open("rb") as handle:
+            handle.seek(start)
+            while chunk := handle.read(READ_CHUNK):
+                yield chunk
+
+    def writer(self, key: str, content_type: str = "application/octet-stream") -> BlobWriter:
+        return _FileWriter(self._path(key))
 
     def delete(self, key: str) -> None:
         try:
@@ -218,6 +435,44 @@ class S3Store(ResultStore):
             raise StoreUnavailable("the results store could not be read") from exc
         result: dict[str, Any] = json.loads(reply["Body"].read())
         return result
+
+    def size(self, key: str) -> int | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            reply = self.client.head_object(Bucket=self.bucket, Key=self._full(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise StoreUnavailable("the results store could not be read") from exc
+        except BotoCoreError as exc:
+            raise StoreUnavailable("the results store could not be read") from exc
+        return int(reply["ContentLength"])
+
+    def read_from(self, key: str, start: int = 0) -> Iterator[bytes]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        size = self.size(key)
+        if size is None or start >= size:
+            return
+        try:
+            reply = self.client.get_object(
+                Bucket=self.bucket, Key=self._full(key), Range=f"bytes={start}-"
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store could not be read") from exc
+        body = reply["Body"]
+        try:
+            yield from body.iter_chunks(READ_CHUNK)
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store could not be read") from exc
+        finally:
+            # A reader that stops early (a client hung up mid-download) must not leave the
+            # connection holding the rest of the object.
+            body.close()
+
+    def writer(self, key: str, content_type: str = "application/octet-stream") -> BlobWriter:
+        return _S3Writer(self.client, self.bucket, self._full(key), content_type)
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError

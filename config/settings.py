@@ -35,6 +35,18 @@ class MediaSettings(BaseModel):
     local_roots: list[str] = Field(default_factory=list)
     # s3:// only for these buckets.
     allowed_buckets: list[str] = Field(default_factory=list)
+    # s3:// also for objects under these s3://bucket/prefix locations (narrower than a whole
+    # bucket); workers add the staging location below themselves.
+    allowed_s3_prefixes: list[str] = Field(default_factory=list)
+    # Producers upload local media files and data: URIs here (content-addressed, once) and
+    # send the staged URL instead: s3://bucket/prefix or file:///dir; empty:
+    # {results_url}/media. Workers may always read it (docs/design.md, media staging).
+    staging_url: str = ""
+    # Off: media goes as it is given; a local file outside local_roots is then refused at
+    # submit (no worker could read it) and data: URIs travel inside the queued message.
+    staging: bool = True
+    # Parallel uploads while staging (S3 stores only; a local disk gains nothing).
+    staging_threads: int = Field(8, ge=1, le=64)
     max_redirects: int = Field(0, ge=0, le=3)
     max_image_bytes: int = 20 * MiB
     max_video_bytes: int = 256 * MiB
@@ -206,6 +218,17 @@ class FleetSettings(BaseModel):
     max_line_errors: int = Field(1000, ge=0)
     # Dead-lettered messages kept (newest), each with at most the first 4 KiB of its message.
     max_dead_letters: int = Field(10_000, ge=0)
+    # A bulk file with more than this share of invalid lines fails validation as a whole:
+    # nothing of it runs (its error records say why), like OpenAI's validating -> failed.
+    max_invalid_share: float = Field(0.5, ge=0, le=1)
+    # Tasks of one bulk job held in Redis at most (queued or running); the rest of its input
+    # waits in the store and is fed as they finish (config/feeding.py).
+    feed_window: int = Field(50_000, ge=1)
+    # A feeder (the submitter, then any worker) holds a feed under this lease; one that died
+    # is replaced when it lapses, and resumes from the feed's cursor.
+    feed_lease_s: float = Field(60.0, gt=0)
+    # How often each worker's feeder looks for feeds to top up.
+    feed_interval_s: float = Field(0.5, gt=0)
     # Publish Celery task events (received/started/succeeded/failed) so Flower
     # shows the inference tasks; three extra publishes per task.
     task_events: bool = False
@@ -229,6 +252,9 @@ class ApiSettings(BaseModel):
     # a full Redis refuses writes, and the fleet must keep the room it needs to drain.
     max_memory_share: float = Field(0.9, gt=0, le=1)
     max_file_bytes: int = 512 * MiB  # POST /v1/files
+    # Estimate each batch's tokens (visual ones from image headers and video metadata) while
+    # it is validated, shown on the batch object; costs the validation pass ~0.3 ms a line.
+    preflight: bool = True
 
 
 class WebhookSettings(BaseModel):

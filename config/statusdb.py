@@ -8,6 +8,10 @@ decodes replies to ``str`` (``config/connection.py``).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,15 +20,80 @@ from typing import Any
 
 import redis as redis_py
 
+from vlmq.config.jsonl import LineError
 from vlmq.config.keys import Keys
+from vlmq.config.results import result_key
 from vlmq.config.scripts import Scripts
 from vlmq.config.status import JobStatus, TaskState, sources_of
 
-__all__ = ["QUEUED_FIELDS", "Move", "Queued", "StatusDB", "encode_move"]
+__all__ = [
+    "QUEUED_FIELDS",
+    "Folded",
+    "Move",
+    "Queued",
+    "StatusDB",
+    "claim_of",
+    "encode_move",
+    "fed_task_id",
+    "new_submission_id",
+]
 
 
-# The status fields a bulk line's task hash is created with (besides state and the stamps).
-QUEUED_FIELDS = ("job_id", "custom_id", "modality", "queue", "expires_at")
+# The status fields a bulk line's task hash is created with (besides state and the stamps);
+# ``claim`` marks a fed task, folded into its job when it ends (scripts.lua ``fold``).
+QUEUED_FIELDS = ("job_id", "custom_id", "modality", "queue", "expires_at", "claim")
+
+# A folded record's state letter (scripts.lua FOLDED).
+_FOLDED_STATES = {"S": "succeeded", "F": "failed", "C": "cancelled", "E": "expired"}
+# A fed task's id: its job's number, its claim, its submission.
+_FED_ID = re.compile(r"^(\d+)\.([0-9a-f]{20})\.([0-9a-f]+)$")
+
+
+def new_submission_id() -> str:
+    """One submitter's id within its job (its tasks' ids end with it)."""
+    return secrets.token_hex(5)
+
+
+def claim_of(custom_id: str) -> str:
+    """A custom_id's claim: a fixed-size digest (80 bits: for 10 million custom_ids in one job
+    the chance of any two sharing one is ~4e-11), so a finished task's record is short
+    whatever its custom_id's length."""
+    return hashlib.sha1(custom_id.encode()).hexdigest()[:20]
+
+
+def fed_task_id(job_number: str, claim: str, submission: str) -> str:
+    return f"{job_number}.{claim}.{submission}"
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What a finished fed task leaves: its state, and either the delivery whose result
+    object it has (``result_key``) or, without an object, its custom_id."""
+
+    submission: str
+    state: str | None  # None: still live (its hash has the status)
+    delivery: int | None = None
+    custom_id: str | None = None
+
+    @classmethod
+    def parse(cls, record: str) -> Folded:
+        sub, _, rest = record.partition(" ")
+        if not rest:
+            return cls(sub, None)
+        code, body = rest[0], rest[1:]
+        state = _FOLDED_STATES.get(code, "unknown")
+        if body.startswith(" "):
+            return cls(sub, state, custom_id=body[1:] or None)
+        return cls(sub, state, delivery=int(body) if body.isdigit() else None)
+
+    def status(self, task_id: str, job_id: str) -> dict[str, str]:
+        out = {"state": str(self.state), "job_id": job_id, "folded": "1"}
+        if self.delivery is not None:
+            out["deliveries"] = str(self.delivery)
+            out["result_key"] = result_key(task_id, job_id, self.delivery)
+        if self.custom_id:
+            out["custom_id"] = self.custom_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -152,11 +221,15 @@ class StatusDB:
         state: TaskState,
         fields: Mapping[str, Any],
         page: int = 2000,
+        fed: bool = True,
     ) -> int:
         """Move every still-queued task of a job to ``state`` (cancel, expiry); returns how
-        many moved. Tasks already running or finished are left alone."""
+        many moved. Tasks already running or finished are left alone. ``fed=False`` leaves the
+        fed tasks (reaching them scans the job's claims: a window of live ones among millions
+        of folded ones) to the check each pull makes."""
         moved = 0
-        for ids in _pages(self.job_task_ids(job_id, page), page):
+        tasks = self.live_task_ids(job_id, page) if fed else self.listed_task_ids(job_id, page)
+        for ids in _pages(tasks, page):
             moves = [Move(task_id, state, fields, stamp="finished_at") for task_id in ids]
             replies = self.transition_many(moves, only_from=[TaskState.QUEUED])
             moved += sum(1 for _, done in replies if done)
@@ -169,14 +242,15 @@ class StatusDB:
         name: str | None = None,
         expires_in_s: float | None = None,
         webhook_url: str | None = None,
-    ) -> None:
+    ) -> str:
         """Create (or reopen, for a resubmission) a job; unsealed until submitted, and not
         finished while ``submission`` holds its submitter lease. The completion window
-        starts at the first submission, on Redis's clock."""
+        starts at the first submission, on Redis's clock. Returns the job's number."""
         args = [job_id, name or "", webhook_url or "", expires_in_s or "", self.ttl_s]
-        args += [submission, self.submitter_lease_s]
+        args += [submission, self.submitter_lease_s, self.keys.job_ref_prefix]
         keys = [self.keys.job(job_id), self.keys.job_expiry(), self.keys.jobs_submitting()]
-        self.scripts("open_job", keys, args)
+        keys.append(self.keys.job_numbers())
+        return str(self.scripts("open_job", keys, args))
 
     def seal_job(self, job_id: str, submission: str, lines: int = 0, line_errors: int = 0) -> None:
         """``submission`` is complete: the job may now finish (once no submitter adds)."""
@@ -189,32 +263,123 @@ class StatusDB:
         keys = [self.keys.job(job_id), self.keys.events()]
         self.scripts("seal", keys, [job_id, 0, submission, "0", 0])
 
-    def submit_chunk(self, job_id: str, submission: str, lines: Sequence[Queued]) -> list[str]:
-        """Enqueue one chunk of a bulk job in one script (see ``submit`` in scripts.lua);
-        returns per line 'q' (enqueued), 's' (skipped: its custom_id is live or succeeded)
-        or 'd' (its custom_id came earlier in this submission)."""
+    def submit_tasks(self, job_id: str, submission: str, lines: Sequence[Queued]) -> int:
+        """Enqueue tasks of a job whose ids are the caller's, in one script (``submit``)."""
         if not lines:
-            return []
-        pairs: dict[str, int] = {}
+            return 0
         keys = [
             self.keys.job(job_id),
-            self.keys.job_custom_ids(job_id),
             self.keys.job_tasks(job_id),
             self.keys.jobs_submitting(),
             self.keys.job_depth(),
         ]
-        for line in lines:
-            if line.modality not in pairs:
-                pairs[line.modality] = len(pairs) + 1
-                keys += [self.keys.job_queue(line.modality, job_id)]
-                keys += [self.keys.active_jobs(line.modality)]
+        pairs = self._class_pairs(keys, job_id, lines, "bulk")
         args: list[Any] = [job_id, self.ttl_s, submission, self.submitter_lease_s]
         args += [self.keys.task_prefix, len(pairs), len(QUEUED_FIELDS), *QUEUED_FIELDS]
         for line in lines:
             keys.append(self.keys.task(line.task_id))
-            values = [_as_text(line.fields.get(name)) for name in QUEUED_FIELDS]
-            args += [line.custom_id or "", pairs[line.modality], *values, line.message]
-        return [str(code) for code in self.scripts("submit", keys, args)]
+            args += [pairs[line.modality], *_values(line), line.message]
+        return int(self.scripts("submit", keys, args))
+
+    def _class_pairs(
+        self, keys: list[str], job_id: str, lines: Sequence[Queued], lane: str
+    ) -> dict[str, int]:
+        """Appends each class's list and active zset to ``keys``; class -> its pair number."""
+        pairs: dict[str, int] = {}
+        for line in lines:
+            if line.modality not in pairs:
+                pairs[line.modality] = len(pairs) + 1
+                queue = (
+                    self.keys.job_queue(line.modality, job_id)
+                    if lane == "bulk"
+                    else self.keys.queue(line.modality, lane)
+                )
+                keys += [queue, self.keys.active_jobs(line.modality)]
+        return pairs
+
+    # feeds -----------------------------------------------------------------
+    def register_feed(
+        self,
+        job_id: str,
+        feed_id: str,
+        input_key: str,
+        lines: int,
+        lane: str,
+        size: int,
+        lease_s: float,
+    ) -> None:
+        """Count a staged input's ``lines`` in its job and make it a feed, leased to the
+        caller for ``lease_s`` (``release_feed`` offers it to the fleet's feeders)."""
+        keys = [self.keys.job(job_id), self.keys.feed(feed_id), self.keys.feeds()]
+        args = [job_id, feed_id, input_key, lines, lane, self.ttl_s, size, lease_s]
+        self.scripts("register_feed", keys, args)
+
+    def take_feeds(self, lease_s: float, limit: int = 16) -> list[str]:
+        return [str(f) for f in self.scripts("take_feeds", [self.keys.feeds()], [lease_s, limit])]
+
+    def release_feed(self, feed_id: str) -> None:
+        self.scripts("release_feed", [self.keys.feeds()], [feed_id])
+
+    def feed_state(self, feed_id: str) -> dict[str, str]:
+        raw: dict[str, str] = self.redis.hgetall(self.keys.feed(feed_id))  # type: ignore[assignment]
+        return raw
+
+    def feeds_of(self, job_id: str) -> list[str]:
+        fields: list[str] = self.redis.hkeys(self.keys.job(job_id))  # type: ignore[assignment]
+        return [f.removeprefix("feed:") for f in fields if f.startswith("feed:")]
+
+    def drop_feed(self, job_id: str, feed_id: str, state: TaskState) -> int:
+        """The rest of a feed will not run (``state``: cancelled or expired)."""
+        keys = [self.keys.job(job_id), self.keys.feed(feed_id), self.keys.feeds()]
+        keys.append(self.keys.events())
+        return int(self.scripts("drop_feed", keys, [job_id, feed_id, state.value]))
+
+    def feed(
+        self,
+        job_id: str,
+        feed_id: str,
+        cursor: tuple[str, str],
+        consumed: int,
+        lines: Sequence[Queued],
+        lane: str = "bulk",
+    ) -> tuple[str, list[str]]:
+        """Feed one chunk (``feed`` in scripts.lua): applied only if the feed's cursor is still
+        ``cursor[0]``, which becomes ``cursor[1]``. Returns the outcome ('fed', 'stale',
+        'cancelled', 'expired') and per line 'q' (enqueued), 's' (skipped) or 'd' (dup)."""
+        submission = feed_id.partition(".")[2]
+        keys = [
+            self.keys.job(job_id),
+            self.keys.job_custom_ids(job_id),
+            self.keys.feed(feed_id),
+            self.keys.feeds(),
+            self.keys.job_depth(),
+            self.keys.events(),
+        ]
+        pairs = self._class_pairs(keys, job_id, lines, lane)
+        args: list[Any] = [job_id, self.ttl_s, submission, feed_id, self.keys.task_prefix]
+        args += [*cursor, consumed, len(pairs), *(["1" if lane == "bulk" else "0"] * len(pairs))]
+        args += [len(QUEUED_FIELDS), *QUEUED_FIELDS]
+        for line in lines:
+            keys.append(self.keys.task(line.task_id))
+            claim = str(line.fields.get("claim") or "")
+            args += [claim, pairs[line.modality], *_values(line), line.message]
+        outcome, codes = self.scripts("feed", keys, args)
+        return str(outcome), [str(c) for c in codes]
+
+    def record_line_errors(self, job_id: str, errors: Sequence[LineError], cap: int) -> None:
+        """Keep the first ``cap`` invalid-line records of a job (the job counts them all): a
+        file of millions of bad lines must not fill Redis."""
+        key = self.keys.job_errors(job_id)
+        room = cap - int(self.redis.hlen(key))
+        if not errors or room <= 0:
+            return
+        records = {
+            str(e.line): json.dumps(e.to_record(), separators=(",", ":")) for e in errors[:room]
+        }
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=records)  # type: ignore[arg-type]
+        pipe.expire(key, self.ttl_s)
+        pipe.execute()
 
     def reap_submitters(self, limit: int = 100) -> int:
         """Look again at jobs whose last submitter stopped renewing (crashed before it
@@ -228,7 +393,26 @@ class StatusDB:
     # reads ---------------------------------------------------------------
     def task(self, task_id: str) -> dict[str, str]:
         raw: dict[str, str] = self.redis.hgetall(self.keys.task(task_id))  # type: ignore[assignment]
-        return _with_state(raw) if raw else {"state": TaskState.UNKNOWN.value}
+        if raw:
+            return _with_state(raw)
+        return self.folded_task(task_id) or {"state": TaskState.UNKNOWN.value}
+
+    def folded_task(self, task_id: str) -> dict[str, str] | None:
+        """A finished fed task's status, from its job's claims (its id names both)."""
+        match = _FED_ID.match(task_id)
+        if match is None:
+            return None
+        number, claim, submission = match.groups()
+        job_id: str | None = self.redis.get(self.keys.job_ref(number))  # type: ignore[assignment]
+        if job_id is None:
+            return None
+        record: str | None = self.redis.hget(self.keys.job_custom_ids(job_id), claim)  # type: ignore[assignment]
+        if record is None:
+            return None
+        folded = Folded.parse(record)
+        if folded.submission != submission or folded.state is None:
+            return None  # superseded by a later submission's task (or mid-fold)
+        return folded.status(task_id, job_id)
 
     def tasks(self, task_ids: Sequence[str], fields: Sequence[str] = ()) -> list[dict[str, str]]:
         """Status of many tasks in one pipelined round trip."""
@@ -255,16 +439,40 @@ class StatusDB:
         return JobStatus.from_hash(job_id, raw)
 
     def job_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
-        """A job's task ids in submission order, read a page at a time."""
+        """A job's current task ids: those enqueued by id (submit_many) in submission order,
+        then its fed tasks (one per custom_id: a superseded task is not listed), a page at a
+        time."""
+        yield from self.listed_task_ids(job_id, page)
+        for task_id, _ in self.fed_tasks(job_id, page):
+            yield task_id
+
+    def live_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
+        """The job's tasks that may not have ended: every task enqueued by id, and the fed
+        tasks not folded yet."""
+        yield from self.listed_task_ids(job_id, page)
+        yield from (task_id for task_id, f in self.fed_tasks(job_id, page) if f.state is None)
+
+    def listed_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
+        """The job's task list: tasks enqueued by id (submit_many), in submission order."""
         start = 0
-        while True:
-            ids: list[str] = self.redis.lrange(  # type: ignore[assignment]
-                self.keys.job_tasks(job_id), start, start + page - 1
-            )
-            if not ids:
-                return
-            yield from ids
+        while ids := self.redis.lrange(self.keys.job_tasks(job_id), start, start + page - 1):
+            yield from ids  # type: ignore[misc]
             start += page
+
+    def fed_tasks(self, job_id: str, page: int = 10_000) -> Iterator[tuple[str, Folded]]:
+        """(task id, its record) of each current fed task of a job; a live one's record has
+        no state (its hash has it)."""
+        number: str | None = self.redis.hget(self.keys.job(job_id), "seq")  # type: ignore[assignment]
+        if number is None:
+            return
+        claims = self.keys.job_custom_ids(job_id)
+        for claim, record in self.redis.hscan_iter(claims, count=page):
+            folded = Folded.parse(str(record))
+            yield fed_task_id(number, str(claim), folded.submission), folded
+
+
+def _values(line: Queued) -> list[str]:
+    return [_as_text(line.fields.get(name)) for name in QUEUED_FIELDS]
 
 
 def _with_state(fields: dict[str, str]) -> dict[str, str]:

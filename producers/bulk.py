@@ -1,64 +1,82 @@
-"""Bulk submission of a JSONL stream: streamed, pipelined, resumable, idempotent.
+"""Bulk submission of a JSONL stream: validated once, staged, then fed a window at a time.
 
-The file is read line by line and enqueued in chunks, never held in memory. Each chunk is
-one script call (``submit`` in config/scripts.lua) that decides and writes it atomically:
-claim each line's ``custom_id``, write its status hash and message, count it. Submitting the
-same file again for the same job, or any number of submitters of one job at once (the CLI
-twice, the CLI and the API), enqueues only the ``custom_id``s that are not succeeded or in
-flight (queued / running), each once; a failed, cancelled or expired one gets a fresh task
-that replaces the old one in the job's counts. A malformed line becomes an error record
-(line, ``custom_id``, code, message) stored with the job. The job is not finished while a
-submitter is still adding (each holds a lease its chunks renew).
+A submission reads its input line by line, never whole, in one pass that validates every
+line, gives a line without a ``custom_id`` one from its content (not its line number, so an
+edited file resubmits correctly), stages its local and inline media (producers/staging.py)
+and writes the valid lines, normalised, as one object in the store; invalid lines become
+error records (the first ``fleet.max_line_errors``; all are counted). A file whose invalid
+share passes ``fleet.max_invalid_share`` fails validation as a whole before anything runs.
+
+The job then counts every valid line (``queued`` until it runs) and the staged input becomes
+a feed (config/feeding.py): the submitter feeds the first window itself, the fleet's feeders
+the rest as tasks finish, so Redis holds at most a window of a job's tasks. Feeding decides
+and writes each chunk atomically (one script): submitting the same file again for the same
+job, or any number of submitters of one job at once, enqueues only the ``custom_id``s that are
+not succeeded or in flight, each once. The job is not finished while a submitter is still
+adding (each holds a lease) or a line is still unfed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
+from typing import Protocol
 
+from vlmq.config.errors import InvalidRequest, StagingRefused
+from vlmq.config.feeding import FeedCounts, Feeder
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
-from vlmq.config.schemas import Request, new_task_id
+from vlmq.config.results import BlobWriter
+from vlmq.config.schemas import Request
+from vlmq.config.settings import Settings
+from vlmq.config.statusdb import new_submission_id
 from vlmq.producers.client import Client
 
-__all__ = ["SubmitReport", "submit_jsonl"]
+__all__ = ["Stager", "SubmitReport", "content_id", "submit_jsonl"]
+
+# Lines staged together (their media uploaded in parallel) and sorted by their media before
+# they are stored (media affinity: lines about one image or clip next to each other reach one
+# worker, whose media cache decodes it once).
+_WINDOW = 2000
+
+
+class Stager(Protocol):
+    """Uploads requests' local and inline media and rewrites their references
+    (producers/staging.py): each request staged, or the error that fails it alone."""
+
+    def stage_all(
+        self, requests: Sequence[Request], base_dir: Path | None
+    ) -> list[Request | InvalidRequest]: ...
+
+
+class Observer(Protocol):
+    """Anything that looks at each parsed line (the pre-flight estimate)."""
+
+    def add(self, parsed: ParsedLine, base_dir: Path | None) -> object: ...
 
 
 @dataclass
 class SubmitReport:
     job_id: str
     lines: int = 0
-    enqueued: int = 0
+    valid: int = 0  # accepted: counted in the job, fed now or later
+    enqueued: int = 0  # fed by this submitter (the first window)
     skipped: int = 0
     errors: int = 0
+    validation_error: str | None = None
+    feed_id: str | None = None
     started: float = 0.0
 
     @property
     def rate(self) -> float:
         elapsed = time.monotonic() - self.started
-        return self.enqueued / elapsed if elapsed > 0 else 0.0
-
-
-def _parsed(lines: Iterable[str], job_id: str) -> Iterator[ParsedLine]:
-    for number, text in enumerate(lines, start=1):
-        if text.strip():
-            yield parse_line(text, number, job_id)
-
-
-def _with_custom_id(parsed: ParsedLine) -> ParsedLine:
-    """Lines without a custom_id get one from their content (not their line number), so a
-    resubmit of the same file, or of an edited one, recognises them. Two identical lines
-    get one id: the second is a duplicate (give each a custom_id to run both)."""
-    request = parsed.request
-    if request is None or request.custom_id is not None:
-        return parsed
-    return ParsedLine(
-        parsed.line, request=request.model_copy(update={"custom_id": content_id(request)})
-    )
+        return self.lines / elapsed if elapsed > 0 else 0.0
 
 
 def content_id(request: Request) -> str:
@@ -69,82 +87,190 @@ def content_id(request: Request) -> str:
     return f"sha256-{digest[:32]}"
 
 
-class _ChunkWriter:
-    """Enqueues one chunk of parsed lines for a job: one script call decides and writes it."""
+@dataclass
+class _Checked:
+    """One window of lines validated and staged: what the submitter writes and counts."""
+
+    lines: int
+    valid: int
+    data: bytes  # the valid lines, normalised, sorted by their media
+    errors: list[LineError]
+    error_count: int
+    refused: str | None = None  # a StagingRefused message: nothing of the file runs
+
+
+def _windows(lines: Iterable[str]) -> Iterator[list[tuple[int, str]]]:
+    """Non-blank lines with their numbers, _WINDOW at a time."""
+    window: list[tuple[int, str]] = []
+    for number, text in enumerate(lines, start=1):
+        if text.strip():
+            window.append((number, text))
+            if len(window) >= _WINDOW:
+                yield window
+                window = []
+    if window:
+        yield window
+
+
+def _check(
+    window: list[tuple[int, str]],
+    job_id: str,
+    base_dir: Path | None,
+    stager: Stager | None,
+    cap: int,
+    observer: Observer | None = None,
+) -> _Checked:
+    """Validate a window, stage its media together (in parallel on S3), normalise it."""
+    checked = _Checked(len(window), 0, b"", [], 0)
+
+    def error(line_error: LineError) -> None:
+        checked.error_count += 1
+        if len(checked.errors) < cap:
+            checked.errors.append(line_error)
+
+    good: list[ParsedLine] = []
+    for number, text in window:
+        # (the task id is the feeder's to give: a placeholder saves a uuid per line)
+        parsed = parse_line(text, number, job_id, task_id="unfed")
+        if observer is not None:
+            observer.add(parsed, base_dir)
+        if parsed.error is not None:
+            error(parsed.error)
+        else:
+            good.append(parsed)
+    requests = [p.request for p in good if p.request is not None]
+    accepted: list[tuple[tuple[str, ...], bytes]] = []
+    for parsed, outcome in zip(good, _staged(requests, base_dir, stager), strict=True):
+        if isinstance(outcome, StagingRefused):
+            checked.refused = outcome.message  # no store can take it, no worker can read it
+            return checked
+        if isinstance(outcome, InvalidRequest):
+            custom_id = parsed.request.custom_id if parsed.request else None
+            error(LineError(parsed.line, custom_id, outcome.code, outcome.message))
+            continue
+        accepted.append(_normalised(parsed.line, outcome))
+    # Lines about one image or clip next to each other: one pull takes them to one worker,
+    # whose media cache then decodes it once (media affinity).
+    accepted.sort(key=lambda line: line[0])
+    checked.valid = len(accepted)
+    checked.data = b"".join(raw for _, raw in accepted)
+    return checked
+
+
+def _staged(
+    requests: list[Request], base_dir: Path | None, stager: Stager | None
+) -> list[Request | InvalidRequest]:
+    if stager is not None:
+        return stager.stage_all(requests, base_dir)
+    if base_dir is None:
+        return list(requests)
+    return [r.resolve_local_paths(base_dir) for r in requests]
+
+
+# A validating process's own stager (its uploads, its cache), built when it starts.
+_PROCESS_STAGER: Stager | None = None
+
+
+def _start_process(settings: Settings, stage: bool) -> None:
+    global _PROCESS_STAGER
+    if stage:
+        from vlmq.producers.staging import MediaStager
+
+        _PROCESS_STAGER = MediaStager(settings)
+
+
+def _check_in_process(
+    window: list[tuple[int, str]], job_id: str, base_dir: Path | None, cap: int
+) -> _Checked:
+    return _check(window, job_id, base_dir, _PROCESS_STAGER, cap)
+
+
+class _Validation:
+    """The one pass over a submission's input: validate, stage, name, store, count; on
+    ``processes`` > 1 the windows are checked by that many processes, in order, a few
+    windows ahead (the file is never read further ahead than that)."""
 
     def __init__(
         self,
         client: Client,
         job_id: str,
-        lane: str,
-        expires_in_s: float | None,
         base_dir: Path | None,
-        submission: str,
+        stager: Stager | None,
+        observer: Observer | None,
+        processes: int = 1,
     ) -> None:
+        if processes > 1 and observer is not None:
+            raise ValueError("an observer sees every line in this process: processes=1")
         self.client = client
-        self.keys = client.keys
         self.job_id = job_id
-        self.lane = lane
-        self.expires_in_s = expires_in_s
         self.base_dir = base_dir
-        self.submission = submission
+        self.stager = stager
+        self.observer = observer
+        self.processes = processes
+        self.errors: list[LineError] = []
+        self.cap = client.settings.fleet.max_line_errors
 
-    def write(self, chunk: list[ParsedLine], report: SubmitReport) -> None:
-        errors = [p.error for p in chunk if p.error is not None]
-        # Lines about one image or clip next to each other: one pull takes them to one
-        # worker, whose media cache then decodes it once (media affinity, bench/README.md).
-        valid = sorted((p for p in chunk if p.request is not None), key=_media_of)
-        requests = [self._request(p) for p in valid]
-        expires = self.client.expiry_after(self.expires_in_s)
-        lines = [self.client.queued(r, self.lane, expires) for r in requests]
-        codes = self.client.status_db.submit_chunk(self.job_id, self.submission, lines)
-        for parsed, code in zip(valid, codes, strict=True):
-            if code == "d":
-                errors.append(_duplicate(parsed))
-        self._record_errors(errors)
-        report.enqueued += codes.count("q")
-        report.skipped += codes.count("s")
-        report.errors += len(errors)
+    def run(
+        self,
+        lines: Iterable[str],
+        out: BlobWriter,
+        report: SubmitReport,
+        on_progress: Callable[[SubmitReport], None] | None,
+    ) -> int:
+        """Writes the valid lines to ``out``; returns the bytes written. Raises
+        StagingRefused (nothing was fed) when media could reach no worker."""
+        size = 0
+        for checked in self._checked(_windows(lines)):
+            if checked.refused is not None:
+                raise StagingRefused(checked.refused)
+            report.lines += checked.lines
+            report.valid += checked.valid
+            report.errors += checked.error_count
+            self.errors += checked.errors[: max(0, self.cap - len(self.errors))]
+            if checked.data:
+                out.write(checked.data)
+                size += len(checked.data)
+            if on_progress is not None:
+                on_progress(report)
+        return size
 
-    def _request(self, parsed: ParsedLine) -> Request:
-        assert parsed.request is not None
-        # A fresh task id per submission: a retried custom_id is a new task.
-        request = parsed.request.model_copy(update={"id": new_task_id()})
-        if self.base_dir is not None:
-            request = request.resolve_local_paths(self.base_dir)
-        return request
-
-    def _record_errors(self, errors: list[LineError]) -> None:
-        """Keep the first ``max_line_errors`` records (the job counts them all): a file of
-        millions of bad lines must not fill Redis."""
-        key = self.keys.job_errors(self.job_id)
-        room = self.client.settings.fleet.max_line_errors - int(self.client.redis.hlen(key))
-        if not errors or room <= 0:
+    def _checked(self, windows: Iterator[list[tuple[int, str]]]) -> Iterator[_Checked]:
+        args = (self.job_id, self.base_dir)
+        if self.processes <= 1:
+            for window in windows:
+                yield _check(window, *args, self.stager, self.cap, self.observer)
             return
-        records = {
-            str(e.line): json.dumps(e.to_record(), separators=(",", ":")) for e in errors[:room]
-        }
-        pipe = self.client.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping=records)  # type: ignore[arg-type]
-        pipe.expire(key, self.client.status_db.ttl_s)
-        pipe.execute()
+        context = multiprocessing.get_context("spawn")  # nothing inherited: no fork hazards
+        start = (self.client.settings, self.stager is not None)
+        with ProcessPoolExecutor(
+            self.processes, context, initializer=_start_process, initargs=start
+        ) as pool:
+            pending: deque[Future[_Checked]] = deque()
+            for window in windows:
+                pending.append(pool.submit(_check_in_process, window, *args, self.cap))
+                if len(pending) >= 2 * self.processes:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
 
 
-def _media_of(parsed: ParsedLine) -> tuple[str, ...]:
-    """The sort key that groups a chunk's lines by media (stable: otherwise in file order)."""
-    assert parsed.request is not None
-    return parsed.request.media_sources()
-
-
-def _duplicate(parsed: ParsedLine) -> LineError:
-    assert parsed.request is not None
-    custom_id = str(parsed.request.custom_id)
-    return LineError(
-        parsed.line,
-        custom_id,
-        "duplicate_custom_id",
-        f"custom_id {custom_id[:80]!r} appears more than once",
+def _normalised(number: int, request: Request) -> tuple[tuple[str, ...], bytes]:
+    """One stored line (config/feeding.py ``FeedLine``): its line number, custom_id (given,
+    or from its content: two identical lines get one, and the second is a duplicate when
+    fed), class and request fields; with its media, the sort key."""
+    custom_id = request.custom_id or content_id(request)
+    body = request.model_dump_json(exclude_none=True, exclude={"id", "job_id", "custom_id"})
+    head = json.dumps(
+        {"n": number, "c": custom_id, "m": request.modality.value},
+        ensure_ascii=False,
+        separators=(",", ":"),
     )
+    return request.media_sources(), f'{head[:-1]},"r":{body}}}\n'.encode()
+
+
+def input_key(job_id: str, submission: str) -> str:
+    """Where a submission's validated, normalised input is stored."""
+    return f"inputs/{job_id}/{submission}.jsonl"
 
 
 def submit_jsonl(
@@ -159,22 +285,82 @@ def submit_jsonl(
     base_dir: Path | None = None,
     chunk: int = 2000,
     on_progress: Callable[[SubmitReport], None] | None = None,
+    stager: Stager | None = None,
+    observer: Observer | None = None,
+    feed_first_window: bool = True,
+    processes: int = 1,
 ) -> SubmitReport:
-    """Stream ``lines`` into job ``job_id``; safe to call again with the same file."""
+    """Validate and stage ``lines`` into job ``job_id`` and feed its first window (or leave
+    all of it to the fleet's feeders); safe to call again with the same file (only what did
+    not succeed and is not in flight runs)."""
     report = SubmitReport(job_id, started=time.monotonic())
-    submission = client.open_job(
-        job_id, name=name, expires_in_s=completion_window_s, webhook_url=webhook_url
-    )
-    writer = _ChunkWriter(client, job_id, lane, completion_window_s, base_dir, submission)
-    parsed = (_with_custom_id(p) for p in _parsed(lines, job_id))
+    fleet = client.settings.fleet
+    submission = new_submission_id()
+    number = client.status_db.open_job(job_id, submission, name, completion_window_s, webhook_url)
+    validation = _Validation(client, job_id, base_dir, stager, observer, processes)
+    key = input_key(job_id, submission)
     try:
-        while batch := list(islice(parsed, chunk)):
-            report.lines += len(batch)
-            writer.write(batch, report)
-            if on_progress is not None:
-                on_progress(report)
+        try:
+            with client.store.writer(key, "application/jsonl") as out:
+                size = validation.run(lines, out, report, on_progress)
+            report.validation_error = _validation_error(client, report)
+        except StagingRefused as exc:
+            # No store can take the media and no worker can read it: nothing runs, and the
+            # message names the setting that fixes it.
+            report.validation_error, size = exc.message, 0
+        client.status_db.record_line_errors(job_id, validation.errors, validation.cap)
+        if report.validation_error is None and report.valid:
+            report.feed_id = f"{number}.{submission}"
+            client.status_db.register_feed(
+                job_id, report.feed_id, key, report.valid, lane, size, fleet.feed_lease_s
+            )
+            _feed_first_window(client, report.feed_id, chunk, report, feed_first_window)
+        else:
+            client.store.delete(key)
+            if report.validation_error:
+                client.redis.hset(
+                    client.keys.job(job_id), "validation_error", report.validation_error
+                )
     except BaseException:
         client.status_db.release_submitter(job_id, submission)
         raise
     client.seal_job(job_id, submission, lines=report.lines, line_errors=report.errors)
     return report
+
+
+def _validation_error(client: Client, report: SubmitReport) -> str | None:
+    """Why the whole file fails validation (too many invalid lines), or None."""
+    threshold = client.settings.fleet.max_invalid_share
+    if not report.lines or report.errors / report.lines <= threshold:
+        return None
+    return (
+        f"{report.errors:,} of {report.lines:,} lines are invalid (more than "
+        f"{threshold:.0%}, VLMQ_FLEET__MAX_INVALID_SHARE): nothing was run; the error "
+        "records name the first ones"
+    )
+
+
+def _feed_first_window(
+    client: Client, feed_id: str, chunk: int, report: SubmitReport, feed: bool
+) -> None:
+    """The submitter registered the feed leased to itself: it feeds up to the window, then
+    leaves the rest to the fleet's feeders."""
+    try:
+        counts = feeder_for(client, chunk).feed(feed_id) if feed else FeedCounts()
+    finally:
+        client.status_db.release_feed(feed_id)
+    report.enqueued += counts.enqueued
+    report.skipped += counts.skipped
+    report.errors += counts.duplicates
+
+
+def feeder_for(client: Client, chunk: int = 2000) -> Feeder:
+    fleet = client.settings.fleet
+    return Feeder(
+        client.status_db,
+        client.store,
+        window=fleet.feed_window,
+        chunk=chunk,
+        lease_s=fleet.feed_lease_s,
+        max_line_errors=fleet.max_line_errors,
+    )

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import islice
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 from pydantic import ValidationError
 from redis import Redis
@@ -26,11 +27,12 @@ from vlmq.config.errors import InvalidRequest
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
-from vlmq.config.schemas import Request, new_task_id
+from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL, TaskState
-from vlmq.config.statusdb import Queued, StatusDB
+from vlmq.config.statusdb import Queued, StatusDB, new_submission_id
 from vlmq.config.wire import encode_message, list_for_priority
+from vlmq.producers.staging import MediaStager
 
 __all__ = ["Client", "as_request"]
 
@@ -56,7 +58,11 @@ class Client:
         settings: Settings,
         redis: Redis | None = None,
         store: ResultStore | None = None,
+        *,
+        local_media: bool = True,
     ) -> None:
+        """``local_media`` False: media paths are never read from this machine's disk (they go
+        as they are, for the workers' own allowlist): for a server acting for remote callers."""
         self.settings = settings
         self.redis = redis or create_redis(settings)
         self.keys = Keys(settings.fleet.key_prefix)
@@ -67,6 +73,8 @@ class Client:
             submitter_lease_s=settings.fleet.submitter_lease_s,
         )
         self._store = store
+        self.local_media = local_media
+        self._stager: MediaStager | None = None
 
     @property
     def store(self) -> ResultStore:
@@ -74,6 +82,13 @@ class Client:
             s = self.settings
             self._store = open_store(s.results_url, s.s3_endpoint_url, s.s3_region)
         return self._store
+
+    @property
+    def stager(self) -> MediaStager:
+        """Uploads local media and data: URIs before they are enqueued (producers/staging.py)."""
+        if self._stager is None:
+            self._stager = MediaStager(self.settings, self._store, local_files=self.local_media)
+        return self._stager
 
     # enqueue -------------------------------------------------------------
     def queued(
@@ -132,11 +147,14 @@ class Client:
         *,
         lane: str = "interactive",
         expires_in_s: float | None = None,
+        base_dir: Path | None = None,
         **fields: Any,
     ) -> str:
-        """Validate and enqueue one conversation; returns its task id."""
+        """Validate, stage its media and enqueue one conversation; returns its task id.
+        Relative media paths resolve against ``base_dir`` (default: the working directory)."""
         request = as_request(conversation, **fields)
         self._refuse_known_ids([request])
+        request = self.stager.stage(request, base_dir)
         expires = self.expiry_after(expires_in_s)
         pipe = self.redis.pipeline(transaction=True)
         self.enqueue(pipe, [request], lane, expires)
@@ -153,15 +171,18 @@ class Client:
         chunk: int = 2000,
         name: str | None = None,
         webhook_url: str | None = None,
+        base_dir: Path | None = None,
     ) -> str:
-        """Validate all, then enqueue in pipelined chunks; returns the job id.
+        """Validate all, stage their media, then enqueue in pipelined chunks; returns the job id.
 
-        Every item is validated before anything is enqueued, so a bad item
-        raises InvalidRequest (naming the item and field) and enqueues nothing.
+        Every item is validated and its media staged before anything is enqueued, so a bad
+        item raises InvalidRequest (naming the item and field; StagingRefused when its media
+        can reach no worker) and enqueues nothing.
         """
         job_id = job_id or uuid.uuid4().hex
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
         self._refuse_known_ids(requests)
+        requests = self._staged(requests, base_dir)
         submission = self.open_job(job_id, name, expires_in_s, webhook_url)
         expires = self.expiry_after(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
@@ -171,11 +192,19 @@ class Client:
             if lane == "bulk":
                 # Every item is a new task (no custom_id claims: ids are the caller's).
                 lines = [replace(self.queued(r, lane, expires), custom_id=None) for r in batch]
-                self.status_db.submit_chunk(job_id, submission, lines)
+                self.status_db.submit_tasks(job_id, submission, lines)
             else:
                 self._enqueue_in_lane(job_id, batch, lane, expires)
         self.seal_job(job_id, submission, lines=len(requests))
         return job_id
+
+    def _staged(self, requests: list[Request], base_dir: Path | None) -> list[Request]:
+        """Every request with its media staged, or the first failure, naming its item."""
+        staged = self.stager.stage_all(requests, base_dir)
+        for index, outcome in enumerate(staged):
+            if isinstance(outcome, InvalidRequest):
+                raise type(outcome)(f"item {index}: {outcome.message}") from None
+        return cast(list[Request], staged)
 
     def _enqueue_in_lane(
         self, job_id: str, requests: list[Request], lane: str, expires: datetime | None
@@ -218,7 +247,7 @@ class Client:
     ) -> str:
         """Open (or reopen) a job for one submitter; returns its submission id, which
         ``seal_job`` takes when that submitter is done adding."""
-        submission = new_task_id()[:16]
+        submission = new_submission_id()
         self.status_db.open_job(job_id, submission, name, expires_in_s, webhook_url)
         return submission
 
@@ -244,8 +273,8 @@ class Client:
         while True:
             status = self.status_db.task(task_id)
             if status.get("state") in _TERMINAL_STATES:
-                url = status.get("result_url")
-                return self.store.get(url) if url else {"id": task_id, **status}
+                location = status.get("result_url") or status.get("result_key")
+                return self.store.get(location) if location else {"id": task_id, **status}
             if time.monotonic() >= deadline:
                 return None
             time.sleep(poll_s)
@@ -255,8 +284,15 @@ class Client:
         """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
         fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
         if self.status_db.job_exists(task_or_job_id):
-            self.status_db.request_cancel(task_or_job_id)
-            return self.status_db.finish_queued(task_or_job_id, TaskState.CANCELLED, fields)
+            job_id = task_or_job_id
+            self.status_db.request_cancel(job_id)
+            # Lines not fed yet are cancelled in one step per feed; the fed ones a page at a
+            # time (a feed refuses to feed a job that asked to cancel: none are added meanwhile).
+            unfed = sum(
+                self.status_db.drop_feed(job_id, feed_id, TaskState.CANCELLED)
+                for feed_id in self.status_db.feeds_of(job_id)
+            )
+            return unfed + self.status_db.finish_queued(job_id, TaskState.CANCELLED, fields)
         only = [TaskState.QUEUED]
         _, moved = self.status_db.transition(task_or_job_id, TaskState.CANCELLED, fields, only)
         return int(moved)

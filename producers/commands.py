@@ -5,16 +5,20 @@ None of them imports torch; they need only Redis and the results store.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import click
 
+from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
@@ -53,8 +57,8 @@ def _echo_progress(text: str) -> None:
 
 def _submit_progress(report: SubmitReport) -> None:
     _echo_progress(
-        f"enqueued {report.enqueued:,}  skipped {report.skipped:,}  "
-        f"bad lines {report.errors:,}  ({report.rate:,.0f}/s)"
+        f"read {report.lines:,} lines ({report.rate:,.0f}/s)  valid {report.valid:,}  "
+        f"bad {report.errors:,}  enqueued {report.enqueued:,}  skipped {report.skipped:,}"
     )
 
 
@@ -101,9 +105,7 @@ def _write_files(client: Client, job_id: str, output: Path, errors: Path | None,
 
 
 @click.command("submit")
-@click.argument(
-    "input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path)
-)
+@click.argument("input_path", metavar="INPUT.jsonl|s3://BUCKET/KEY.jsonl")
 @click.option(
     "--job",
     "job_name",
@@ -140,8 +142,20 @@ def _write_files(client: Client, job_id: str, output: Path, errors: Path | None,
 @click.option(
     "--format", "fmt", type=click.Choice(["vlmq", "openai"]), default="vlmq", show_default=True
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Enqueue nothing: estimate lines, invalid lines, modality mix, tokens and ETA.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the estimate as JSON.")
+@click.option(
+    "--processes",
+    type=click.IntRange(0, 64),
+    default=0,
+    help="Processes validating the file (0: one per core for files over 32 MiB, else one).",
+)
 def submit(
-    input_path: Path,
+    input_path: str,
     job_name: str | None,
     priority: str,
     completion_window: str,
@@ -150,12 +164,23 @@ def submit(
     output: Path | None,
     errors: Path | None,
     fmt: str,
+    dry_run: bool,
+    as_json: bool,
+    processes: int,
 ) -> None:
-    """Enqueue every line of a JSONL file (vlmq/HF or OpenAI Batch lines) as one job."""
+    """Enqueue every line of a JSONL file (vlmq/HF or OpenAI Batch lines) as one job.
+
+    The file is validated and staged in one pass (local media uploaded to the media store),
+    then fed to the fleet a window at a time; an object in S3 is read where it is."""
+    if dry_run:
+        if input_path.startswith("s3://"):
+            raise click.ClickException("--dry-run reads a local file")
+        _dry_run(Path(input_path), as_json)
+        return
     client = _client()
     job_id = job_name or uuid.uuid4().hex
     click.echo(job_id)
-    with input_path.open(encoding="utf-8") as lines:
+    with _input_lines(client, input_path) as (lines, base_dir):
         report = submit_jsonl(
             client,
             lines,
@@ -164,16 +189,78 @@ def submit(
             completion_window_s=parse_window(completion_window),
             webhook_url=webhook,
             name=job_name,
-            base_dir=input_path.resolve().parent,
+            base_dir=base_dir,
             on_progress=_submit_progress,
+            stager=client.stager,
+            processes=processes or _processes_for(input_path),
         )
     _submit_progress(report)
     click.echo(err=True)
+    if report.validation_error:
+        raise click.ClickException(f"job {job_id} failed validation: {report.validation_error}")
     if wait:
         summary = _wait(client, job_id)
         click.echo(f"job {job_id}: {summary['state']}", err=True)
         if output is not None:
             _write_files(client, job_id, output, errors, fmt)
+
+
+def _processes_for(source: str) -> int:
+    """Validation is CPU-bound Python: a big local file is checked by a process per core
+    (up to 4; starting one costs ~1 s, so a small file keeps to this one)."""
+    path = Path(source)
+    big = not source.startswith("s3://") and path.is_file() and path.stat().st_size > 32 * 2**20
+    return min(4, os.cpu_count() or 1) if big else 1
+
+
+@contextlib.contextmanager
+def _input_lines(client: Client, source: str) -> Iterator[tuple[Iterator[str], Path | None]]:
+    """The lines of a local file (media paths resolve against its folder) or of an object in
+    S3, read as a stream; undecodable bytes fail their line alone."""
+    if source.startswith("s3://"):
+        bucket, _, key = source.removeprefix("s3://").partition("/")
+        settings = client.settings
+        store = open_store(f"s3://{bucket}", settings.s3_endpoint_url, settings.s3_region)
+        if store.size(key) is None:
+            raise click.ClickException(f"{source} does not exist")
+        yield (raw.decode("utf-8", errors="replace") for _, raw in store.lines(key)), None
+        return
+    path = Path(source)
+    if not path.is_file():
+        raise click.ClickException(f"{source} is not a file")
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        yield lines, path.resolve().parent
+
+
+def _fleet_rates(settings: Settings) -> Any:
+    """The fleet's measured rate from the workers' heartbeats: one read, never a write."""
+    from redis import RedisError
+
+    from vlmq.config.connection import create_redis
+    from vlmq.producers.preflight import FleetRates, read_fleet_rates
+
+    redis = create_redis(settings, timeout_s=5.0)
+    try:
+        return read_fleet_rates(redis, settings)
+    except RedisError as exc:
+        return FleetRates(reason=f"Redis unreachable ({type(exc).__name__})")
+    finally:
+        redis.close()
+
+
+def _dry_run(input_path: Path, as_json: bool) -> None:
+    """Read the whole file through a Preflight; no job is opened, nothing is enqueued."""
+    from vlmq.producers.preflight import Preflight, format_summary
+
+    if not input_path.is_file():
+        raise click.ClickException(f"{input_path} is not a file")
+    settings = Settings()
+    preflight = Preflight(settings)
+    # Undecodable bytes fail their line alone, as in a real submit.
+    with input_path.open(encoding="utf-8", errors="replace") as lines:
+        preflight.add_lines(lines, base_dir=input_path.resolve().parent)
+    report = preflight.report(_fleet_rates(settings))
+    click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_summary(report))
 
 
 @click.command("status")

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any
 
+from vlmq.config.feeding import FeedLine
 from vlmq.config.status import TERMINAL, JobState
 from vlmq.producers.client import Client
 
@@ -47,19 +48,32 @@ def job_summary(client: Client, job_id: str) -> dict[str, Any]:
     }
 
 
+_FIELDS = ("state", "result_url", "custom_id", "superseded", "error_code", "error_message")
+
+
 def _current_tasks(client: Client, job_id: str) -> Iterator[dict[str, str]]:
-    """Each current (not superseded) task of the job, with its status fields."""
-    fields = ("state", "result_url", "custom_id", "superseded", "error_code", "error_message")
-    ids = client.job_task_ids(job_id)
+    """Each current (not superseded) task of the job, with its status fields: those
+    enqueued by id, then the fed ones (a finished one from its folded record)."""
+    db = client.status_db
+    ids = db.listed_task_ids(job_id)
     while window := list(islice(ids, 2000)):
-        for task_id, status in zip(window, client.status_db.tasks(window, fields), strict=True):
+        for task_id, status in zip(window, db.tasks(window, _FIELDS), strict=True):
             if status.get("superseded") != "1":
                 yield {"id": task_id, **status}
+    fed = db.fed_tasks(job_id)
+    while batch := list(islice(fed, 2000)):
+        live = [task_id for task_id, folded in batch if folded.state is None]
+        statuses = iter(db.tasks(live, _FIELDS))
+        for task_id, folded in batch:
+            if folded.state is None:
+                yield {"id": task_id, **next(statuses)}
+            else:
+                yield {"id": task_id, **folded.status(task_id, job_id)}
 
 
 def _fetch(client: Client, status: dict[str, str]) -> dict[str, Any]:
-    url = status.get("result_url")
-    record = client.store.get(url) if url else None
+    location = status.get("result_url") or status.get("result_key")
+    record = client.store.get(location) if location else None
     if record is not None:
         return record
     # Cancelled or expired before running: no object; the status says why.
@@ -86,6 +100,25 @@ def iter_results(
     with ThreadPoolExecutor(max_workers=16) as pool:
         while window := list(islice(tasks, _WINDOW)):
             yield from pool.map(lambda t: _fetch(client, t), window)
+    yield from _never_fed(client, job_id)
+
+
+def _never_fed(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
+    """The lines of feeds dropped by a cancel or the job's expiry before they were fed: read
+    from the staged input, where they are (Redis kept only where the rest begins)."""
+    fields: dict[str, str] = client.redis.hgetall(client.keys.job(job_id))  # type: ignore[assignment]
+    for name, where in fields.items():
+        if not name.startswith("dropped:"):
+            continue
+        key, cursor, state = where.split(" ")
+        for _, raw in client.store.lines(key, int(cursor)):
+            line = FeedLine.parse(raw)
+            yield {
+                "id": None,
+                "custom_id": line.custom_id,
+                "status": state,
+                "error": {"code": state, "message": f"the job was {state} before this line ran"},
+            }
 
 
 def iter_line_errors(client: Client, job_id: str) -> Iterator[dict[str, Any]]:

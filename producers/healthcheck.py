@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-__all__ = ["WorkerBeat", "fresh_worker", "healthcheck", "worker_beats"]
+__all__ = ["WorkerBeat", "fresh_worker", "healthcheck", "heartbeat_max_age_s", "worker_beats"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,12 @@ class WorkerBeat:
     name: str
     at: float
     info: dict[str, Any]
+
+
+def heartbeat_max_age_s(lease_s: float) -> float:
+    """The oldest heartbeat of a live worker: three missed beats (one every lease_s / 3),
+    and never under 90 s."""
+    return max(90.0, 3 * max(0.5, lease_s / 3))
 
 
 def worker_beats(entries: dict[str, str]) -> list[WorkerBeat]:
@@ -109,7 +115,7 @@ def worker(max_age: float | None, hostname: str | None, name: str | None, timeou
 
     settings = Settings()
     if max_age is None:
-        max_age = max(90.0, 3 * max(0.5, settings.fleet.lease_s / 3))
+        max_age = heartbeat_max_age_s(settings.fleet.lease_s)
     redis = create_redis(settings, timeout_s=timeout)
     try:
         entries: dict[str, str] = redis.hgetall(Keys(settings.fleet.key_prefix).workers())  # type: ignore[assignment]

@@ -151,8 +151,11 @@ def _engine_for(kind: str, settings: Settings, noop_delay_s: float, simulate: st
 
         return NoopEngine(noop_delay_s, crash_marker=settings.engine.faults.crash_marker)
     from vlmq.workers.engine import Engine
+    from vlmq.workers.media.fleet import fleet_loader
 
-    engine = Engine(settings.model, settings.engine, settings.media)
+    # The fleet's media allowlist includes the staging location producers upload to.
+    loader = fleet_loader(settings)
+    engine = Engine(settings.model, settings.engine, loader.settings, loader=loader)
     if kind == "simulated":
         from vlmq.workers.testing.noop import SimulatedAccelerator
 

@@ -33,7 +33,8 @@ __all__ = ["create_app"]
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     ctx = ApiContext(
         settings=settings,
-        client=client or Client(settings),
+        # A server acts for remote callers: it never reads media paths from its own disk.
+        client=client or Client(settings, local_media=False),
         limiter=RateLimiter(settings.api.rate_limit_per_s, settings.api.rate_limit_burst),
     )
 

@@ -7,7 +7,9 @@
   for meanwhile stops it between chunks.
 * **finalize**: once the job is finished, write the OpenAI output file
   (succeeded results) and error file (failed, cancelled or expired results and
-  invalid lines) in one pass over the results.
+  invalid lines) in one pass over the results, each record streamed to its
+  store writer (a multipart upload on S3) as it comes: memory stays flat
+  however many results the batch has.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmq.config.errors import VlmqError
+from vlmq.config.results import BlobWriter
 from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.api.files import FileRegistry
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
@@ -31,6 +34,7 @@ from vlmq.producers.export import (
     to_openai_error,
     to_openai_output,
 )
+from vlmq.producers.preflight import Preflight
 
 __all__ = ["SUBMIT_LOCK_S", "BatchWork", "output_file_ids"]
 
@@ -50,14 +54,28 @@ def output_file_ids(batch_id: str) -> tuple[str, str]:
     return f"file-{batch_id}-output", f"file-{batch_id}-error"
 
 
-def _lines(data: bytes) -> Iterator[str]:
+def _decoded(lines: Iterable[tuple[int, bytes]]) -> Iterator[str]:
     # Undecodable bytes become U+FFFD, so such a line fails alone as invalid JSON.
-    for raw in data.splitlines():
-        yield raw.decode("utf-8", errors="replace")
+    for _, raw in lines:
+        yield raw.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
 def _window_s(window: str) -> float:
     return float(window.removesuffix("h")) * 3600
+
+
+def _preflight_summary(preflight: Preflight) -> dict[str, Any]:
+    """What a batch object carries of its estimate (the CLI's --dry-run prints all of it)."""
+    report = preflight.report()
+    return {
+        "lines": report["lines"],
+        "invalid_lines": report["invalid_lines"]["count"],
+        "modality": report["modality"],
+        "prompt_tokens": report["prompt_tokens"]["total"],
+        "visual_tokens": report["prompt_tokens"]["visual"],
+        "output_tokens": report["output_tokens"]["total"],
+        "predicted_failures": report["predicted_failures"]["count"],
+    }
 
 
 def _jsonl(record: dict[str, Any]) -> bytes:
@@ -123,8 +141,8 @@ class BatchWork:
         record = self.records.get(batch_id)
         if record is None or record.get("submitted_at"):
             return
-        data = self.files.content(record["input_file_id"])
-        if data is None:
+        input_file_id = record["input_file_id"]
+        if self.files.size(input_file_id) is None:  # read below as it is fed in
             raise VlmqError("the input file could not be read")
         report = SubmitReport(batch_id)
 
@@ -134,18 +152,30 @@ class BatchWork:
             if self.records.has(batch_id, "cancelling_at"):
                 raise _CancelRequested
 
+        preflight = self._preflight()
         try:
             if self.records.has(batch_id, "cancelling_at"):
                 raise _CancelRequested
-            submit_jsonl(
+            submitted = submit_jsonl(
                 self.client,
-                _lines(data),
+                _decoded(self.files.lines(input_file_id)),
                 batch_id,
                 lane="bulk",
                 completion_window_s=_window_s(record["completion_window"]),
                 name=f"openai batch of {record['input_file_id']}",
                 on_progress=progress,
+                stager=self.client.stager,
+                observer=preflight,
             )
+            if preflight is not None:
+                self.records.update(batch_id, preflight=json.dumps(_preflight_summary(preflight)))
+            if submitted.validation_error:
+                self.records.update(
+                    batch_id,
+                    error_code="validation_failed",
+                    error_message=submitted.validation_error,
+                )
+                self.records.mark_once(batch_id, "failed_at")
         except _CancelRequested:
             # The job must be sealed to finish (opened first: it may be cancelled before a
             # line was read); then cancel the last chunk too.
@@ -153,6 +183,11 @@ class BatchWork:
             self.client.seal_job(batch_id, submission, lines=report.lines)
             self.client.cancel(batch_id)
         self.records.mark_once(batch_id, "submitted_at")
+
+    def _preflight(self) -> Preflight | None:
+        """The batch's pre-flight estimate, taken in the validation pass (``api.preflight``)."""
+        settings = self.client.settings
+        return Preflight(settings) if settings.api.preflight else None
 
     def _fail(self, batch_id: str, exc: Exception) -> None:
         message = exc.message if isinstance(exc, VlmqError) else "the batch could not be submitted"
@@ -190,20 +225,33 @@ class BatchWork:
     def _finalize(self, batch_id: str) -> None:
         if self.records.has(batch_id, "finalized_at"):
             return  # a read scheduled it again just before the last run ended
-        output, errors = bytearray(), bytearray()
-        n_output = n_errors = 0
-        for result in iter_results(self.client, batch_id):
-            if result.get("status") == "succeeded":
-                output += _jsonl(to_openai_output(result))
-                n_output += 1
-            else:
-                errors += _jsonl(to_openai_error(result))
-                n_errors += 1
-        for line_error in iter_line_errors(self.client, batch_id):
-            errors += _jsonl(to_openai_error(line_error))
-            n_errors += 1
         output_id, error_id = output_file_ids(batch_id)
-        self.files.create(bytes(output), f"{batch_id}_output.jsonl", "batch_output", output_id)
-        self.files.create(bytes(errors), f"{batch_id}_error.jsonl", "batch_output", error_id)
-        self.records.update(batch_id, output_count=n_output, error_count=n_errors)
+        with self.files.writer(output_id) as output_blob, self.files.writer(error_id) as error_blob:
+            output, errors = _JsonlOut(output_blob), _JsonlOut(error_blob)
+            for result in iter_results(self.client, batch_id):
+                if result.get("status") == "succeeded":
+                    output.add(to_openai_output(result))
+                else:
+                    errors.add(to_openai_error(result))
+            for line_error in iter_line_errors(self.client, batch_id):
+                errors.add(to_openai_error(line_error))
+        # Listed only once both are complete in the store.
+        self.files.register(output_id, output.bytes, f"{batch_id}_output.jsonl", "batch_output")
+        self.files.register(error_id, errors.bytes, f"{batch_id}_error.jsonl", "batch_output")
+        self.records.update(batch_id, output_count=output.records, error_count=errors.records)
         self.records.update(batch_id, finalized_at=int(time.time()))
+
+
+class _JsonlOut:
+    """One output file being written: each record goes to the store as it comes."""
+
+    def __init__(self, blob: BlobWriter) -> None:
+        self.blob = blob
+        self.records = 0
+        self.bytes = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        line = _jsonl(record)
+        self.blob.write(line)
+        self.records += 1
+        self.bytes += len(line)

@@ -98,6 +98,7 @@ class BatchService:
             request_counts=_counts(summary),
             errors=self._errors(batch_id, status, record),
             metadata=metadata or None,
+            preflight=json.loads(record["preflight"]) if record.get("preflight") else None,
         )
 
     def _status(

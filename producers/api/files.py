@@ -3,6 +3,11 @@
 Bytes go to ``files/{file_id}`` in the results store (S3 or a folder), so the
 API process holds no state of its own; the OpenAI File object is a Redis hash
 (``Keys.files``), and a sorted set by creation time lists them.
+
+Content is streamed both ways, never held whole: written through the store's
+writer (a multipart upload on S3) a chunk at a time, read back in chunks or
+line by line. What a file costs the API in memory is a few chunks and one
+multipart part, whatever its size.
 """
 
 from __future__ import annotations
@@ -10,13 +15,21 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from vlmq.config.results import BlobWriter
 from vlmq.producers.api.openai_models import FileObject
 from vlmq.producers.client import Client
 
-__all__ = ["FileRegistry", "new_file_id", "newest_first", "valid_file_id"]
+__all__ = [
+    "FileRegistry",
+    "FileTooLarge",
+    "content_key",
+    "new_file_id",
+    "newest_first",
+    "valid_file_id",
+]
 
 T = TypeVar("T")
 
@@ -32,8 +45,13 @@ def valid_file_id(file_id: str) -> bool:
     return bool(_FILE_ID.match(file_id))
 
 
-def _blob_key(file_id: str) -> str:
+def content_key(file_id: str) -> str:
+    """The file's content in the results store."""
     return f"files/{file_id}"
+
+
+class FileTooLarge(Exception):
+    """A streamed file passed its cap; what was written of it was discarded."""
 
 
 class FileRegistry:
@@ -41,15 +59,41 @@ class FileRegistry:
         self.client = client
         self.index = client.keys.files_index()
 
-    def create(
-        self, data: bytes, filename: str, purpose: str, file_id: str | None = None
+    def create_stream(
+        self,
+        chunks: Iterable[bytes],
+        filename: str,
+        purpose: str,
+        file_id: str | None = None,
+        max_bytes: int | None = None,
     ) -> FileObject:
-        """Store the bytes first, then the metadata: a listed file always has content."""
+        """Write the chunks to the store as they come, then register the file.
+
+        Past ``max_bytes`` the write is aborted (nothing stored, nothing listed)
+        and FileTooLarge raised.
+        """
         file_id = file_id or new_file_id()
-        self.client.store.put_blob(_blob_key(file_id), data, "application/jsonl")
+        size = 0
+        with self.writer(file_id) as out:
+            for chunk in chunks:
+                size += len(chunk)
+                if max_bytes is not None and size > max_bytes:
+                    raise FileTooLarge(file_id)
+                out.write(chunk)
+        return self.register(file_id, size, filename, purpose)
+
+    def writer(self, file_id: str) -> BlobWriter:
+        """A writer for the file's content; ``register`` the file once it is closed."""
+        if not valid_file_id(file_id):
+            raise ValueError("not a file id")
+        return self.client.store.writer(content_key(file_id), "application/jsonl")
+
+    def register(self, file_id: str, size: int, filename: str, purpose: str) -> FileObject:
+        """List a file whose content is already in the store: content first, then the
+        metadata, so a listed file always has content."""
         meta = {
             "id": file_id,
-            "bytes": len(data),
+            "bytes": size,
             "created_at": int(time.time()),
             "filename": filename,
             "purpose": purpose,
@@ -71,10 +115,24 @@ class FileRegistry:
         raw: dict[str, str] = self.client.redis.hgetall(self.client.keys.file(file_id))  # type: ignore[assignment]
         return _file_object(raw) if raw else None
 
-    def content(self, file_id: str) -> bytes | None:
+    def size(self, file_id: str) -> int | None:
+        """The stored content's size, or None when it is missing."""
         if not valid_file_id(file_id):
             return None
-        return self.client.store.get_blob(_blob_key(file_id))
+        return self.client.store.size(content_key(file_id))
+
+    def read(self, file_id: str) -> Iterator[bytes]:
+        """The content in chunks (nothing for a missing file: ask ``size`` first)."""
+        if not valid_file_id(file_id):
+            return iter(())
+        return self.client.store.read_from(content_key(file_id))
+
+    def lines(self, file_id: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
+        """The content line by line from byte ``start``, each line with the offset just
+        past it (see ``ResultStore.lines``)."""
+        if not valid_file_id(file_id):
+            return iter(())
+        return self.client.store.lines(content_key(file_id), start)
 
     def list(self, limit: int, after: str | None = None) -> tuple[list[FileObject], bool]:
         """Newest first; ``after`` is the last id of the previous page."""

@@ -7,16 +7,18 @@ OpenAI object. Input files must have purpose ``batch``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import IO, Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
+from vlmq.config.results import READ_CHUNK
 from vlmq.config.schemas import Modality
 from vlmq.producers.api.batches import BatchService
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses
-from vlmq.producers.api.files import FileRegistry
+from vlmq.producers.api.files import FileRegistry, FileTooLarge
 from vlmq.producers.api.openai_models import (
     BatchCreate,
     BatchList,
@@ -55,11 +57,26 @@ def upload_file(
     file: UploadFile = File(...),
     purpose: Literal["batch"] = Form(...),
     files: FileRegistry = Depends(files_of),
+    ctx: ApiContext = Depends(context),
 ) -> FileObject:
-    """Upload a JSONL file of requests (purpose ``batch``)."""
-    data = file.file.read()
+    """Upload a JSONL file of requests (purpose ``batch``).
+
+    Streamed to the store a chunk at a time (Starlette has spooled the upload
+    to a temporary file), so a file of any allowed size costs the same memory.
+    """
     filename = (file.filename or "input.jsonl")[:255]
-    return files.create(data, filename, purpose)
+    try:
+        return files.create_stream(
+            _chunks(file.file), filename, purpose, max_bytes=ctx.settings.api.max_file_bytes
+        )
+    except FileTooLarge:
+        # The gate caps the whole body; this holds for the file itself wherever it came from.
+        raise ApiError(413, "body_too_large", "the file is too large") from None
+
+
+def _chunks(source: IO[bytes]) -> Iterator[bytes]:
+    while chunk := source.read(READ_CHUNK):
+        yield chunk
 
 
 @router.get("/files", responses=_READ_ERRORS)
@@ -100,14 +117,19 @@ def file_content(
     files: FileRegistry = Depends(files_of),
     batches: BatchService = Depends(batches_of),
 ) -> Response:
-    """The uploaded input, or a finished batch's output or error file."""
+    """The uploaded input, or a finished batch's output or error file, streamed."""
     batches.ensure_output(file_id)
     if files.get(file_id) is None:
         raise ApiError(404, "not_found", "no such file")
-    data = files.content(file_id)
-    if data is None:
+    size = files.size(file_id)
+    if size is None:
         raise ApiError(404, "not_found", "the file's content is missing from the store")
-    return Response(content=data, media_type="application/octet-stream")
+    # The length up front: a download cut short by a store failure is seen as incomplete.
+    return StreamingResponse(
+        files.read(file_id),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(size)},
+    )
 
 
 # batches -----------------------------------------------------------------------

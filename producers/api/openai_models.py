@@ -6,7 +6,7 @@ Field names, types and literals follow ``openai.types.FileObject`` and
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -103,6 +103,9 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
+    # vlmq's own: the validation pass's estimate (lines, modality mix, prompt tokens with the
+    # visual ones, output tokens); clients that do not know it ignore it.
+    preflight: dict[str, Any] | None = None
 
 
 class BatchList(BaseModel):

@@ -157,7 +157,7 @@ def _task_status(task_id: str, status: dict[str, str]) -> TaskStatus:
         modality=status.get("modality") or None,
         custom_id=status.get("custom_id") or None,
         job_id=status.get("job_id") or None,
-        created_at=_number(status.get("created_at")),
+        created_at=_number(status.get("created_at") or status.get("queued_at")),
         started_at=_number(status.get("started_at")),
         finished_at=_number(status.get("finished_at")),
         attempts=int(_number(status.get("attempts")) or 0),

@@ -92,6 +92,11 @@ def test_openai_batch_round_trip(settings, oai):
     assert done.request_counts.completed == len(good)
     assert done.request_counts.failed == 3
     assert done.completed_at and done.output_file_id and done.error_file_id
+    # The validation pass's estimate rides on the batch object (vlmq's own field).
+    preflight = done.model_extra["preflight"] if done.model_extra else None
+    assert preflight is not None and preflight["lines"] == len(good) + 3
+    assert preflight["invalid_lines"] == 2 and preflight["modality"]["image"] == 1
+    assert preflight["prompt_tokens"] > 0 and preflight["output_tokens"] > 0
 
     output = [json.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
     assert {line["custom_id"] for line in output} == good
@@ -208,3 +213,17 @@ def test_a_feeder_that_died_is_resumed_without_duplicates(settings, oai):
     assert done.request_counts.total == 5 and done.request_counts.completed == 5
     output = oai.files.content(done.output_file_id).text.splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in output) == [f"r{n}" for n in range(5)]
+
+
+def test_a_mostly_invalid_file_fails_validation_and_nothing_runs(settings, oai):
+    data = ("{broken\n" * 10 + _line("only", "hi") + "\n").encode()
+    uploaded = oai.files.create(file=("bad.jsonl", data), purpose="batch")
+    batch = oai.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_for_state(lambda: oai.batches.retrieve(batch.id), {"failed"})
+    assert done.errors is not None and done.errors.data
+    assert "10 of 11 lines are invalid" in str(done.errors.data[0].message)
+    # The invalid lines are its failures; the valid one never ran.
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 10)
+    assert Client(settings).redis.llen("vlmq.text.job." + batch.id) == 0

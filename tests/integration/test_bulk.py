@@ -62,12 +62,15 @@ def test_submit_streams_both_formats_and_records_bad_lines(settings):
     client = Client(settings)
     report = submit_jsonl(client, _mixed_file(30), "job-a", chunk=7)
     assert (report.lines, report.enqueued, report.errors) == (33, 30, 3)
+    lists = {m: client.redis.llen(Keys().job_queue(m, "job-a")) for m in ("text", "image", "video")}
+    assert sum(lists.values()) == 30 and all(lists.values())
     with Running(make_loop(settings, RecordingEngine())):
         wait_until(lambda: job_summary(client, "job-a")["state"] == "completed", what="job")
     summary = job_summary(client, "job-a")
     assert summary["counts"]["succeeded"] == 30 and summary["errors"] == 3
-    queues = {client.status(t)["queue"] for t in client.job_task_ids("job-a")}
-    assert queues == {f"vlmq.{m}.job.job-a" for m in ("text", "image", "video")}
+    # Finished tasks are folded into the job: no task hash is left, each status still reads.
+    assert not client.redis.keys("vlmq:task:*")
+    assert {client.status(t)["state"] for t in client.job_task_ids("job-a")} == {"succeeded"}
     errors = sorted(
         json.loads(v)["error"]["code"] for v in client.redis.hvals(Keys().job_errors("job-a"))
     )

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from vlmq.config.feeding import FeedCounts
 from vlmq.config.keys import Keys
 from vlmq.config.queues import queue_depth, queue_lists
 from vlmq.config.scripts import Scripts
 from vlmq.config.settings import Settings
-from vlmq.producers.bulk import submit_jsonl
+from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import job_summary
 from vlmq.workers.fleet.intake import Intake, Leases
@@ -48,7 +49,7 @@ def test_two_concurrent_submits_of_one_file_enqueue_each_line_once(settings, tmp
     client = Client(settings)
     summary = _counts(client, "twice")
     assert summary["total"] == 5000 and summary["counts"]["queued"] == 5000
-    assert client.redis.llen(Keys().job_tasks("twice")) == 5000
+    assert client.redis.hlen(Keys().job_custom_ids("twice")) == 5000
     assert client.redis.llen(Keys().job_queue("text", "twice")) == 5000
     assert queue_depth(client.redis, Keys(), ["text"]) == {"text": 5000}
 
@@ -60,17 +61,17 @@ def test_concurrent_retries_of_failed_lines_keep_the_counters_exact(settings):
     with Running(make_loop(settings, RecordingEngine(fail=True))):
         wait_until(lambda: _counts(client, "retry")["state"] == "completed", what="all failed")
     # Two submitters retry the same failed lines, chunk by chunk, interleaved.
-    first, second = (client.open_job("retry") for _ in range(2))
-    from vlmq.producers.bulk import SubmitReport, _ChunkWriter, _parsed, _with_custom_id
-
-    writers = [_ChunkWriter(client, "retry", "bulk", None, None, s) for s in (first, second)]
-    parsed = [_with_custom_id(p) for p in _parsed(lines, "retry")]
-    reports = [SubmitReport("retry"), SubmitReport("retry")]
-    for start in range(0, 40, 10):
-        for writer, report in zip(writers, reports, strict=True):
-            writer.write(parsed[start : start + 10], report)
-    assert reports[0].enqueued + reports[1].enqueued == 40
-    assert reports[0].skipped + reports[1].skipped == 40
+    reports = [submit_jsonl(client, lines, "retry", feed_first_window=False) for _ in range(2)]
+    feeder = feeder_for(client, chunk=10)
+    counts = [FeedCounts(), FeedCounts()]
+    for _ in range(4):
+        for report, count in zip(reports, counts, strict=True):
+            assert report.feed_id is not None
+            fed = feeder.feed(report.feed_id, most=10)
+            count.enqueued += fed.enqueued
+            count.skipped += fed.skipped
+    assert counts[0].enqueued + counts[1].enqueued == 40
+    assert counts[0].skipped + counts[1].skipped == 40
     summary = _counts(client, "retry")
     assert summary["total"] == 40
     assert summary["counts"]["failed"] == 0 and summary["counts"]["queued"] == 40
@@ -177,6 +178,8 @@ def test_every_key_a_job_leaves_behind_expires_or_is_bounded(settings):
         keys.events_leased(),
         keys.job_expiry(),
         keys.jobs_submitting(),
+        keys.job_numbers(),
+        keys.feeds(),
         *(keys.active_jobs(m) for m in ("text", "image", "video")),
     }
     unbounded = [

@@ -97,7 +97,8 @@ def test_pipeline_on_and_off_give_the_same_outputs(
     media_settings = MediaSettings(local_roots=[str(media)])
     outputs = []
     for pipeline in (False, True):
-        client = Client(settings)
+        # The producer knows the workers read the folder: paths go in place, unstaged.
+        client = Client(settings.model_copy(update={"media": media_settings}))
         engine = Engine(model, EngineSettings(), media_settings).setup()
         job = client.submit_many(_mixed_job(media))
         # Everything is queued before the worker starts and one pull takes a whole class:
@@ -223,7 +224,7 @@ def test_large_images_prefetch_within_the_byte_budget(settings: Settings, tmp_pa
     )
     engine = GatedHFEngine(model, EngineSettings(), media).setup()
     engine.gate = threading.Event()
-    client = Client(settings)
+    client = Client(settings.model_copy(update={"media": media}))  # read in place, unstaged
     items = [
         {
             "messages": [

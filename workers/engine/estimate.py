@@ -3,30 +3,23 @@
 Batches are cut under a token budget before the processor runs, so lengths
 come from the rendered chat template (exact for the text, one placeholder per
 image or video) plus each item's visual tokens from image sizes, frame counts
-and the processor's own patch arithmetic (``_get_num_multimodal_tokens``).
+and the processor's own patch arithmetic (``_get_num_multimodal_tokens``). The
+arithmetic that is vlmq's own (template tokens around frames, placeholder expansion) lives in
+``config/vision.py``, which the producer's pre-flight (``vlmq submit --dry-run``) shares.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vlmq.config.vision import (
+    expanded_prompt_tokens,
+    internvl_video_tokens,
+    template_stub,
+    video_wrapper_tokens,
+)
+
 __all__ = ["estimate_prompt_tokens", "template_stub"]
-
-# Qwen3-VL writes a "<t seconds>" timestamp and vision start/end tokens around
-# each temporal patch group; InternVL writes "FrameN: <img>...</img>\n" per frame.
-_QWEN3_PER_FRAME_GROUP = 8
-_INTERNVL_PER_FRAME = 8
-
-
-def template_stub(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with media replaced by bare placeholders (cheap to render)."""
-    return [
-        {
-            "role": m["role"],
-            "content": [p if p["type"] == "text" else {"type": p["type"]} for p in m["content"]],
-        }
-        for m in conversation
-    ]
 
 
 def _rendered_tokens(processor: Any, conversation: list[dict[str, Any]]) -> int:
@@ -47,16 +40,14 @@ def _video_tokens(processor: Any, family: str, videos: list[tuple[int, int, int]
     if not videos:
         return []
     if family == "internvl":
-        per_frame = int(processor.image_seq_length) + _INTERNVL_PER_FRAME
-        return [frames * per_frame for frames, _, _ in videos]
+        seq = int(processor.image_seq_length)
+        return [internvl_video_tokens(frames, seq) for frames, _, _ in videos]
     data = processor._get_num_multimodal_tokens(video_sizes=[list(v) for v in videos])
-    counts = [int(n) for n in data.num_video_tokens]
-    if family == "qwen3_vl":
-        counts = [
-            n + (frames + 1) // 2 * _QWEN3_PER_FRAME_GROUP
-            for n, (frames, _, _) in zip(counts, videos, strict=True)
-        ]
-    return counts
+    # The template's own tokens around the frames (Qwen3-VL's timestamps) come on top.
+    return [
+        int(n) + video_wrapper_tokens(family, frames)
+        for n, (frames, _, _) in zip(data.num_video_tokens, videos, strict=True)
+    ]
 
 
 def estimate_prompt_tokens(
@@ -68,5 +59,4 @@ def estimate_prompt_tokens(
 ) -> int:
     """Prompt tokens of one conversation; image sizes (h, w), videos (frames, h, w)."""
     visual = _image_tokens(processor, image_sizes) + _video_tokens(processor, family, video_sizes)
-    # Each placeholder token in the rendered text expands into n visual tokens.
-    return _rendered_tokens(processor, conversation) + sum(n - 1 for n in visual)
+    return expanded_prompt_tokens(_rendered_tokens(processor, conversation), visual)

@@ -62,7 +62,12 @@ class Housekeeper:
         )
         expired = 0
         for job_id in due:
-            expired += self.status.finish_queued(job_id, TaskState.EXPIRED, _EXPIRED)
+            # The rest of its input in one step per feed; its queued fed tasks (a window at
+            # most) expire as they are pulled, so a 10-million-line job costs this loop no more
+            # than a small one.
+            for feed_id in self.status.feeds_of(job_id):
+                expired += self.status.drop_feed(job_id, feed_id, TaskState.EXPIRED)
+            expired += self.status.finish_queued(job_id, TaskState.EXPIRED, _EXPIRED, fed=False)
             redis.zrem(keys.job_expiry(), job_id)
         return expired
 

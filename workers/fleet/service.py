@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, create_redis
+from vlmq.config.feeding import Feeder
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import Settings
@@ -110,6 +111,7 @@ class WorkerService:
         self.keys = Keys(settings.fleet.key_prefix)
         self.redis = create_redis(settings)  # a pool: connects on first use
         self.loop: BatchLoop | None = None
+        self.feeder: Feeder | None = None
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
 
@@ -124,6 +126,14 @@ class WorkerService:
             observers.append(TaskEvents(settings.redis_url, self.name.replace(":", "-")))
         self.loop = compose_loop(
             settings, self.modalities, self.engine, self.name, self.redis, store, observers
+        )
+        fleet = settings.fleet
+        self.feeder = Feeder(
+            StatusDB(create_redis(settings), self.keys, ttl_s=fleet.task_ttl_s),
+            store,
+            window=fleet.feed_window,
+            lease_s=fleet.feed_lease_s,
+            max_line_errors=fleet.max_line_errors,
         )
         return self
 
@@ -143,6 +153,7 @@ class WorkerService:
         self._announce()
         self._spawn(self._run_loop, "batch-loop")
         self._spawn(self._heartbeat, "heartbeat")
+        self._spawn(self._feed, "feeder")
         log.info("worker %s serving %s", self.name, ",".join(self.modalities))
 
     def _spawn(self, target: Any, name: str) -> None:
@@ -183,6 +194,20 @@ class WorkerService:
                 log.critical("%s; exiting", self.loop.stuck() or "stuck")
                 os._exit(EXIT_STUCK)
             self._announce()
+
+    def _feed(self) -> None:
+        """Top bulk jobs up to their window from their staged inputs (config/feeding.py), on a
+        thread and a connection of its own: never on the batch loop's."""
+        assert self.feeder is not None
+        while not self._stopped.wait(self.settings.fleet.feed_interval_s):
+            try:
+                self.feeder.run_once()
+            except TRANSIENT_REDIS_ERRORS as exc:
+                log.warning("feeder: Redis %s; retrying", type(exc).__name__)
+            except Exception:
+                # A feed it could not read (the store is down): its lease lapses and any
+                # feeder, this one included, resumes it from its cursor.
+                log.exception("feeding failed; retrying")
 
     def _announce(self) -> None:
         """The heartbeat record (``vlmq healthcheck worker``): optional, so a full or

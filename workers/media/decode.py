@@ -20,7 +20,13 @@ import av
 from PIL import Image, ImageOps
 
 from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
+from vlmq.config.media_checks import (
+    check_aspect_ratio,
+    check_image_pixels,
+    open_video_container,
+)
 from vlmq.config.settings import MediaSettings
+from vlmq.config.vision import downscaled_size, sampled_frame_count
 
 __all__ = [
     "DecodedVideo",
@@ -59,16 +65,8 @@ class Downscale:
     cover: tuple[int, int] | None = None
 
     def size_for(self, size: tuple[int, int]) -> tuple[int, int]:
-        width, height = size
-        scales = []
-        if self.max_pixels:
-            scales.append(math.sqrt(self.max_pixels / (width * height)))
-        if self.cover:
-            scales.append(max(self.cover[0] / width, self.cover[1] / height))
-        scale = min(1.0, max(scales)) if scales else 1.0
-        if scale >= 1.0:
-            return size
-        return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+        # Shared with the producer's pre-flight estimate (config/vision.py).
+        return downscaled_size(size, self.max_pixels, self.cover)
 
 
 def decode_image(
@@ -106,22 +104,6 @@ def _upright(img: Image.Image) -> Image.Image:
         return ImageOps.exif_transpose(img)
     except Exception:
         return img
-
-
-def check_image_pixels(size: tuple[int, int], settings: MediaSettings) -> None:
-    width, height = size
-    if width <= 0 or height <= 0:
-        raise MediaDecodeFailed(_IMAGE_FAILED)
-    if width * height > settings.max_image_pixels:
-        raise MediaTooLarge("image has too many pixels")
-    _check_aspect_ratio(width, height, settings, "image")
-
-
-def _check_aspect_ratio(width: int, height: int, settings: MediaSettings, kind: str) -> None:
-    """A 1x100000 image is within the pixel limit but no processor can tile it."""
-    limit = settings.max_aspect_ratio
-    if width > 0 and height > 0 and max(width, height) > limit * min(width, height):
-        raise MediaDecodeFailed(f"{kind} aspect ratio is more than {limit:g}:1")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -209,7 +191,7 @@ def _decode_video(
     frame_cap: int,
     downscale: Downscale | None,
 ) -> DecodedVideo:
-    with _open_container(data, settings) as container:
+    with open_video_container(io.BytesIO(data), settings) as container:
         stream = _video_stream(container)
         _check_header_resolution(stream, settings)
         probe = _probe(container, stream) or _probe_by_demuxing(data, settings)
@@ -234,27 +216,6 @@ def _decode_video(
     )
 
 
-def _refuse_nested_open(url: str, flags: int, options: dict[str, Any]) -> Any:
-    # Demuxers that reference other files or URLs (playlists, drefs) get nothing.
-    raise PermissionError("nested media opens are disabled")
-
-
-def _open_container(data: bytes, settings: MediaSettings) -> Any:
-    container = av.open(
-        io.BytesIO(data),
-        mode="r",
-        # Only the allowlisted demuxers are even probed, so formats with
-        # references to other files (hls, concat) never parse the input.
-        container_options={"format_whitelist": ",".join(settings.video_formats)},
-        metadata_errors="ignore",
-        io_open=_refuse_nested_open,
-    )
-    if container.format.name not in settings.video_formats:
-        container.close()
-        raise MediaDecodeFailed("video container format is not allowed")
-    return container
-
-
 def _video_stream(container: Any, thread_type: str = "SLICE") -> Any:
     if not container.streams.video:
         raise MediaDecodeFailed("media has no video stream")
@@ -271,7 +232,7 @@ def _check_header_resolution(stream: Any, settings: MediaSettings) -> None:
     width, height = stream.codec_context.width or 0, stream.codec_context.height or 0
     if width * height > settings.video_max_pixels_per_frame:
         raise MediaTooLarge("video resolution is too large")
-    _check_aspect_ratio(width, height, settings, "video")
+    check_aspect_ratio(width, height, settings, "video")
 
 
 def _stream_fps(stream: Any) -> float | None:
@@ -314,7 +275,7 @@ def _has_index(stream: Any) -> bool:
 def _probe_by_demuxing(data: bytes, settings: MediaSettings) -> _Probe:
     """Count packets without decoding them (cheap), bounded by the decode budget."""
     count, first, end = 0, None, None
-    with _open_container(data, settings) as container:
+    with open_video_container(io.BytesIO(data), settings) as container:
         stream = _video_stream(container)
         time_base = stream.time_base or Fraction(1, 1)
         for packet in container.demux(stream):
@@ -349,10 +310,8 @@ def plan_sample_times(
     segments: ``duration * target_fps`` of them, clamped to [2, max_frames]
     and to the frame count, and even whenever that leaves at least 2 (Qwen
     groups frames in temporal pairs)."""
-    wanted = round(duration_s * target_fps)
-    count = min(max(wanted, 2), max_frames, max(total_frames, 1))
-    if count >= 2 and count % 2:
-        count -= 1
+    # The count is shared with the producer's pre-flight estimate (config/vision.py).
+    count = sampled_frame_count(duration_s, total_frames, target_fps, max_frames)
     span = max(duration_s, count / source_fps if source_fps > 0 else 0.0)
     return [(i + 0.5) * span / count for i in range(count)]
 
@@ -474,7 +433,7 @@ class _StreamContext:
         # Resolution can change mid-stream: every frame is checked, not the header.
         if frame.width * frame.height > self.settings.video_max_pixels_per_frame:
             raise MediaTooLarge("video resolution is too large")
-        _check_aspect_ratio(frame.width, frame.height, self.settings, "video")
+        check_aspect_ratio(frame.width, frame.height, self.settings, "video")
         if frame.pts is None:
             if not self.sequential:
                 raise _SeekUnusable
@@ -517,7 +476,7 @@ def _sample_frames(
     of samples and the GOP, not the length. Sequential mode (containers without
     usable metadata or seeking) decodes in order and stops after the last sample."""
     picked: list[_Picked] = []
-    with _open_container(data, settings) as container:
+    with open_video_container(io.BytesIO(data), settings) as container:
         stream = _video_stream(container, settings.video_thread_type)
         ctx = _StreamContext(stream, settings, probe, budget, sequential)
         cursor = _FrameCursor(ctx)

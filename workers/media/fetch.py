@@ -11,8 +11,6 @@ text.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import errno
 import os
 import re
@@ -23,11 +21,11 @@ from urllib.parse import unquote, urlsplit
 
 from vlmq.config.errors import (
     InvalidRequest,
-    MediaDecodeFailed,
     MediaFetchFailed,
     MediaForbidden,
     MediaTooLarge,
 )
+from vlmq.config.media_checks import decode_data_uri
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.deadline import Deadline
 from vlmq.workers.media.http_fetch import HttpFetcher
@@ -39,8 +37,6 @@ __all__ = ["MediaFetcher", "MediaKind", "decode_data_uri"]
 MediaKind = Literal["image", "video"]
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-_MAX_DATA_URI_HEADER = 256
-_WHITESPACE = str.maketrans("", "", " \t\r\n")
 
 
 class MediaFetcher:
@@ -79,7 +75,7 @@ class MediaFetcher:
         if scheme == "s3":
             return self._s3.fetch_versioned(source, cap, deadline, known)
         if scheme == "data":
-            return decode_data_uri(source, cap), None
+            return decode_data_uri(source, cap)[1], None
         if scheme == "file":
             return self._read_local(_file_url_path(source), cap), None
         if scheme is None:
@@ -111,31 +107,6 @@ def _scheme_of(source: str) -> str | None:
 
 
 # --- data: URIs -------------------------------------------------------------
-
-
-def decode_data_uri(uri: str, cap: int) -> bytes:
-    """Decode ``data:[<mime>][;params];base64,<payload>`` after checking that
-    the decoded size cannot exceed ``cap`` (so a huge URI is never decoded)."""
-    comma = uri.find(",", 0, _MAX_DATA_URI_HEADER)
-    if comma < 0:
-        raise InvalidRequest("malformed data URI")
-    params = [p.strip().lower() for p in uri[len("data:") : comma].split(";")[1:]]
-    if "base64" not in params:
-        raise InvalidRequest("data URI must be base64-encoded")
-    encoded_len = len(uri) - comma - 1
-    # 4 base64 characters carry 3 bytes; whitespace only makes this an overestimate.
-    if encoded_len // 4 * 3 > cap + 2:
-        raise MediaTooLarge("media is larger than the allowed size")
-    payload = uri[comma + 1 :].translate(_WHITESPACE)
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise MediaDecodeFailed("data URI payload is not valid base64") from None
-    if len(data) > cap:
-        raise MediaTooLarge("media is larger than the allowed size")
-    if not data:
-        raise MediaDecodeFailed("data URI payload is empty")
-    return data
 
 
 # --- local files --------------------------------------------------------------

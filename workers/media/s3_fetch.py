@@ -20,7 +20,7 @@ from vlmq.config.errors import (
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.deadline import Deadline, call_with_deadline
 
-__all__ = ["S3ClientFactory", "S3Fetcher", "parse_s3_url"]
+__all__ = ["S3ClientFactory", "S3Fetcher", "is_allowed", "parse_s3_url"]
 
 # Returns a boto3 S3 client; the factory owns endpoint, credentials, retries
 # and per-request timeouts (botocore Config).
@@ -48,6 +48,26 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, key
 
 
+def is_allowed(bucket: str, key: str, settings: MediaSettings) -> bool:
+    """A listed bucket, or a key under a listed ``s3://bucket/prefix``."""
+    if bucket in settings.allowed_buckets:
+        return True
+    return any(_under_prefix(bucket, key, entry) for entry in settings.allowed_s3_prefixes)
+
+
+def _under_prefix(bucket: str, key: str, entry: str) -> bool:
+    """Under the prefix with plain segments only: no '.', '..' or empty segment that a
+    server normalising paths could turn into a key outside the prefix."""
+    allowed_bucket, _, prefix = entry.removeprefix("s3://").partition("/")
+    prefix = prefix.strip("/")
+    if not entry.startswith("s3://") or bucket != allowed_bucket:
+        return False
+    if prefix and not key.startswith(prefix + "/"):
+        return False
+    rest = key[len(prefix) + 1 :] if prefix else key
+    return all(segment not in ("", ".", "..") for segment in rest.split("/"))
+
+
 class S3Fetcher:
     """Fetches one object: bucket allowlist, HEAD size check, capped GET."""
 
@@ -63,7 +83,7 @@ class S3Fetcher:
         """The object and its version tag (``etag:…``); (None, known) without a download
         when HEAD shows the object is still the version ``known`` names."""
         bucket, key = parse_s3_url(url)
-        if bucket not in self._settings.allowed_buckets:
+        if not is_allowed(bucket, key, self._settings):
             raise MediaForbidden("media bucket is not allowed")
         client = self._get_client()
         cancelled = threading.Event()

@@ -1,0 +1,201 @@
+"""Feeding a job's staged input into Redis, a window at a time, exactly once.
+
+A bulk submission validates its input once (producers/bulk.py) and stores the valid lines,
+normalised, as one object in the store; the job counts them all from the start (a line not
+yet fed reads ``queued``). A ``Feeder`` then turns lines into tasks only while the job has
+fewer than ``window`` tasks in Redis, so a 10-million-line job holds a window of messages and
+status hashes, not 10 million, and refills as tasks finish.
+
+Exactly once: a chunk is applied by one script (``feed``) only if the feed's cursor (a byte
+offset into the input) is still where this feeder read from, and the cursor moves in the same
+step. A feeder that dies mid-chunk changed nothing; the next one (any worker, after the feed's
+lease lapses) reads the same lines again from the same offset. Two feeders racing on one feed
+apply each chunk once: the loser's script sees a moved cursor ('stale') and stops.
+
+The submitter feeds the first window itself (a small job is all in Redis when ``vlmq
+submit`` returns); every worker runs a ``Feeder`` on a thread of its own for the rest
+(docs/design.md says why there and not in a process of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from itertools import islice
+from typing import Any
+
+from vlmq.config.jsonl import LineError
+from vlmq.config.results import ResultStore
+from vlmq.config.statusdb import Queued, StatusDB, claim_of, fed_task_id
+from vlmq.config.wire import encode_message
+
+__all__ = ["FeedCounts", "FeedLine", "Feeder"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FeedLine:
+    number: int
+    custom_id: str
+    modality: str
+    request: dict[str, Any]
+
+    @classmethod
+    def parse(cls, raw: bytes) -> FeedLine:
+        record = json.loads(raw)
+        return cls(int(record["n"]), str(record["c"]), str(record["m"]), dict(record["r"]))
+
+
+@dataclass
+class FeedCounts:
+    enqueued: int = 0
+    skipped: int = 0
+    duplicates: int = 0
+
+    def add(self, codes: list[str]) -> None:
+        self.enqueued += codes.count("q")
+        self.skipped += codes.count("s")
+        self.duplicates += codes.count("d")
+
+
+@dataclass
+class _Job:
+    """What feeding a job needs to know, read once per feed call."""
+
+    job_id: str
+    number: str
+    expires: datetime | None
+    live: int  # its tasks in Redis that have not ended
+
+
+class Feeder:
+    def __init__(
+        self,
+        status: StatusDB,
+        store: ResultStore,
+        window: int,
+        chunk: int = 2000,
+        lease_s: float = 60.0,
+        max_line_errors: int = 1000,
+    ) -> None:
+        self.status = status
+        self.keys = status.keys
+        self.store = store
+        self.window = window
+        self.chunk = chunk
+        self.lease_s = lease_s
+        self.max_line_errors = max_line_errors
+
+    # the fleet's loop ------------------------------------------------------
+    def run_once(self, limit: int = 16) -> int:
+        """Lease feeds nobody is feeding, top each job up to its window; lines fed."""
+        fed = 0
+        for feed_id in self.status.take_feeds(self.lease_s, limit):
+            try:
+                fed += self.feed(feed_id).enqueued
+            finally:
+                self.status.release_feed(feed_id)
+        return fed
+
+    # one feed --------------------------------------------------------------
+    def feed(self, feed_id: str, most: int | None = None) -> FeedCounts:
+        """Feed ``feed_id`` until its job's window is full, its input ends, or another
+        feeder moved it on; at most ``most`` lines."""
+        counts = FeedCounts()
+        state = self.status.feed_state(feed_id)
+        job = self._job(state["job"]) if state else None
+        if job is None:
+            return counts
+        room = self.window - job.live
+        if most is not None:
+            room = min(room, most)
+        cursor, lane = int(state["cursor"]), state.get("lane") or "bulk"
+        lines = self.store.lines(state["input"], cursor)
+        while room > 0:
+            chunk = list(islice(lines, min(room, self.chunk)))
+            if not chunk:
+                break
+            end = chunk[-1][0]
+            outcome, codes = self._apply(job, feed_id, lane, (cursor, end), chunk)
+            if outcome != "fed":
+                break
+            counts.add(codes)
+            room -= len(chunk)
+            cursor = end
+        return counts
+
+    def _apply(
+        self,
+        job: _Job,
+        feed_id: str,
+        lane: str,
+        span: tuple[int, int],
+        chunk: list[tuple[int, bytes]],
+    ) -> tuple[str, list[str]]:
+        parsed = [self._parse(raw, feed_id) for _, raw in chunk]
+        valid = [line for line in parsed if line is not None]
+        submission = feed_id.partition(".")[2]
+        queued = [self._queued(job, line, submission, lane) for line in valid]
+        cursor = (str(span[0]), str(span[1]))
+        outcome, codes = self.status.feed(job.job_id, feed_id, cursor, len(chunk), queued, lane)
+        if outcome == "fed":
+            duplicates = [
+                _duplicate(line) for line, code in zip(valid, codes, strict=True) if code == "d"
+            ]
+            self.status.record_line_errors(job.job_id, duplicates, self.max_line_errors)
+        return outcome, codes
+
+    def _parse(self, raw: bytes, feed_id: str) -> FeedLine | None:
+        try:
+            return FeedLine.parse(raw)
+        except (ValueError, KeyError, TypeError):
+            # The input was written by the validation pass; a line it cannot read back is a
+            # damaged object: counted out of the job (scripts.lua), never fed.
+            log.error("feed %s: an unreadable line in its staged input was skipped", feed_id)
+            return None
+
+    def _job(self, job_id: str) -> _Job | None:
+        fields = ("seq", "expires_at", "queued", "running", "unfed")
+        values = self.status.redis.hmget(self.keys.job(job_id), fields)
+        seq, expires_at, queued, running, unfed = values
+        if seq is None:
+            return None
+        expires = datetime.fromtimestamp(float(expires_at), tz=timezone.utc) if expires_at else None
+        live = int(queued or 0) + int(running or 0) - int(unfed or 0)
+        return _Job(job_id, str(seq), expires, live)
+
+    def _queued(self, job: _Job, line: FeedLine, submission: str, lane: str) -> Queued:
+        claim = claim_of(line.custom_id)
+        task_id = fed_task_id(job.number, claim, submission)
+        queue = (
+            self.keys.job_queue(line.modality, job.job_id)
+            if lane == "bulk"
+            else self.keys.queue(line.modality, lane)
+        )
+        request = {**line.request, "id": task_id, "job_id": job.job_id}
+        request["custom_id"] = line.custom_id
+        wire = json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+        message = encode_message(wire, task_id, queue, expires=job.expires)
+        # (no "queue": a fed task's is its job's list for its class, and the lease records
+        # where a held message came from)
+        fields = {
+            "job_id": job.job_id,
+            "custom_id": line.custom_id,
+            "modality": line.modality,
+            "expires_at": f"{job.expires.timestamp():.3f}" if job.expires else None,
+            "claim": claim,
+        }
+        return Queued(task_id, line.custom_id, line.modality, fields, message)
+
+
+def _duplicate(line: FeedLine) -> LineError:
+    custom_id = line.custom_id
+    return LineError(
+        line.number,
+        custom_id,
+        "duplicate_custom_id",
+        f"custom_id {custom_id[:80]!r} appears more than once",
+    )

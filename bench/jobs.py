@@ -1,15 +1,16 @@
 """A big bulk job's cost in Redis, side by side with raw LPUSH/BRPOP, in one run.
 
-    python -m bench.jobs [--lines 1000000] [--workers 2] [--repeats 1] [--write bench/README.md]
+    python -m bench.jobs [--lines 1000000] [--workers 2] [--processes 2] [--repeats 1]
+        [--write bench/README.md]
 
 Writes a JSONL file of ``--lines`` lines (text, image URLs and video URLs, a third each),
 then, each on a fresh ``redis-server`` of its own (AOF everysec, as LocalRedis runs it):
 
 * **raw**: the same lines LPUSHed in pipelined chunks of 2,000 and BRPOPed one by one by
   one client; nothing is kept per finished task.
-* **vlmq**: ``submit_jsonl`` (the validation pass, the staged input in a ``file://`` store,
-  the first window fed) and ``--workers`` no-op worker processes that drain it, their
-  feeders refilling the window.
+* **vlmq**: ``submit_jsonl`` (the validation pass in ``--processes`` processes, the staged
+  input in a ``file://`` store, the first window fed) and ``--workers`` no-op worker
+  processes that drain it, their feeders refilling the window.
 
 Measured: peak Redis memory while queued (``used_memory`` sampled every 50 ms, above the
 empty server's), bytes per finished task (``used_memory`` after the drain, above the empty
@@ -206,7 +207,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.kill()
 
 
-def measure_vlmq(tmp: Path, path: Path, lines: int, workers: int) -> Figures:
+def measure_vlmq(tmp: Path, path: Path, lines: int, workers: int, processes: int) -> Figures:
     with _server(tmp, "vlmq") as server:
         settings = Settings(redis_url=server.url, results_url=f"file://{tmp / 'results'}")
         client = Client(settings)
@@ -217,7 +218,7 @@ def measure_vlmq(tmp: Path, path: Path, lines: int, workers: int) -> Figures:
         with _Sampler(server.url) as sampler:
             started = time.perf_counter()
             with path.open(encoding="utf-8") as source:
-                report = submit_jsonl(client, source, JOB)
+                report = submit_jsonl(client, source, JOB, processes=processes)
             figures.enqueue_per_s = report.valid / (time.perf_counter() - started)
             procs = _start_workers(tmp, server.url, settings.results_url, workers)
             try:
@@ -253,7 +254,7 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
-def render(run: Run, lines: int, workers: int) -> str:
+def render(run: Run, lines: int, workers: int, processes: int) -> str:
     rows = [
         ("peak Redis while queued (MB)", "peak_queued_bytes", 1e-6, ",.0f"),
         ("bytes per finished task (used_memory)", "finished_bytes_per_task", 1, ",.0f"),
@@ -263,7 +264,8 @@ def render(run: Run, lines: int, workers: int) -> str:
         ("drain (tasks/s)", "drain_per_s", 1, ",.0f"),
     ]
     out = [
-        f"`python -m bench.jobs --lines {lines} --workers {workers} --repeats {len(run.vlmq)}`"
+        f"`python -m bench.jobs --lines {lines} --workers {workers} --processes {processes} "
+        f"--repeats {len(run.vlmq)}`"
         f" on {machine()}; medians (min-max) of {len(run.vlmq)} run(s).",
         "",
         "| | raw LPUSH/BRPOP | vlmq |",
@@ -281,6 +283,9 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--processes", type=int, default=2, help="validating processes (vlmq submit: one a core)"
+    )
     parser.add_argument("--write", type=Path, default=None)
     args = parser.parse_args()
     run = Run()
@@ -292,8 +297,9 @@ def main() -> None:
             print(f"run {repeat + 1}: raw", file=sys.stderr, flush=True)
             run.raw.append(measure_raw(tmp, path, args.lines))
             print(f"run {repeat + 1}: vlmq", file=sys.stderr, flush=True)
-            run.vlmq.append(measure_vlmq(tmp / f"v{repeat}", path, args.lines, args.workers))
-    text = render(run, args.lines, args.workers)
+            workdir = tmp / f"v{repeat}"
+            run.vlmq.append(measure_vlmq(workdir, path, args.lines, args.workers, args.processes))
+    text = render(run, args.lines, args.workers, args.processes)
     print(text)
     if args.write is not None:
         replace_section(args.write, "bench-jobs", text)

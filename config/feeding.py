@@ -28,6 +28,7 @@ from typing import Any
 
 from vlmq.config.jsonl import LineError
 from vlmq.config.results import ResultStore
+from vlmq.config.status import TaskState
 from vlmq.config.statusdb import Queued, StatusDB, claim_of, fed_task_id
 from vlmq.config.wire import encode_message
 
@@ -117,6 +118,8 @@ class Feeder:
         while room > 0:
             chunk = list(islice(lines, min(room, self.chunk)))
             if not chunk:
+                if counts.enqueued + counts.skipped + counts.duplicates == 0:
+                    self._lost_input(job.job_id, feed_id, state)
                 break
             end = chunk[-1][0]
             outcome, codes = self._apply(job, feed_id, lane, (cursor, end), chunk)
@@ -147,6 +150,14 @@ class Feeder:
             ]
             self.status.record_line_errors(job.job_id, duplicates, self.max_line_errors)
         return outcome, codes
+
+    def _lost_input(self, job_id: str, feed_id: str, state: dict[str, str]) -> None:
+        """Lines are left but the input has none from the cursor on (the object was removed
+        from the store, or cut short): they cannot run, and the job must still finish."""
+        if self.store.size(state["input"]) is not None and int(state.get("left") or 0) <= 0:
+            return
+        log.error("feed %s: its input %s is gone; its unfed lines fail", feed_id, state["input"])
+        self.status.drop_feed(job_id, feed_id, TaskState.FAILED)
 
     def _parse(self, raw: bytes, feed_id: str) -> FeedLine | None:
         try:

@@ -104,6 +104,7 @@ class JobStatus:
     cancel_requested: bool = False
     lines: int = 0
     line_errors: int = 0  # invalid lines of the last complete submission (records: capped)
+    validation_error: str | None = None  # why a submission failed validation as a whole
     name: str | None = None
     webhook_url: str | None = None
     created_at: float | None = None
@@ -135,6 +136,7 @@ class JobStatus:
             "cancel_requested": raw.get("cancel_requested") == "1",
             "lines": _number(raw.get("lines")) or 0,
             "line_errors": _number(raw.get("line_errors")) or 0,
+            "validation_error": raw.get("validation_error") or None,
             "name": raw.get("name") or None,
             "webhook_url": raw.get("webhook_url") or None,
             "created_at": _number(raw.get("created_at"), float),
@@ -154,6 +156,7 @@ class JobStatus:
             "sealed": self.sealed,
             "lines": self.lines,
             "line_errors": self.line_errors,
+            "validation_error": self.validation_error,
             "name": self.name,
             "created_at": self.created_at,
             "finished_at": self.finished_at,

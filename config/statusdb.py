@@ -387,6 +387,11 @@ class StatusDB:
         keys = [self.keys.jobs_submitting(), self.keys.events()]
         return int(self.scripts("reap_submitters", keys, [self.keys.job_prefix, limit]))
 
+    def fail_validation(self, job_id: str, message: str) -> None:
+        """A submission failed validation as a whole: nothing of it runs, and the job says why
+        (``JobStatus.validation_error``)."""
+        self.redis.hset(self.keys.job(job_id), "validation_error", message)
+
     def request_cancel(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "cancel_requested", "1")
 

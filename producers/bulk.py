@@ -318,9 +318,7 @@ def submit_jsonl(
         else:
             client.store.delete(key)
             if report.validation_error:
-                client.redis.hset(
-                    client.keys.job(job_id), "validation_error", report.validation_error
-                )
+                client.status_db.fail_validation(job_id, report.validation_error)
     except BaseException:
         client.status_db.release_submitter(job_id, submission)
         raise

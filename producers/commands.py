@@ -29,6 +29,7 @@ from vlmq.producers.export import (
     to_openai_error,
     to_openai_output,
 )
+from vlmq.producers.staging import StagingProgress
 
 __all__ = ["cancel", "results", "status", "submit"]
 
@@ -55,10 +56,16 @@ def _echo_progress(text: str) -> None:
     click.echo(f"\r{text}\x1b[K", nl=False, err=True)
 
 
-def _submit_progress(report: SubmitReport) -> None:
+def _submit_progress(report: SubmitReport, media: StagingProgress | None = None) -> None:
+    staged = ""
+    if media is not None and media.media:
+        staged = (
+            f"  media: {media.uploaded:,} uploaded ({media.bytes_uploaded / 2**20:,.1f} MiB),"
+            f" {media.already_stored:,} already stored"
+        )
     _echo_progress(
         f"read {report.lines:,} lines ({report.rate:,.0f}/s)  valid {report.valid:,}  "
-        f"bad {report.errors:,}  enqueued {report.enqueued:,}  skipped {report.skipped:,}"
+        f"bad {report.errors:,}  enqueued {report.enqueued:,}  skipped {report.skipped:,}" + staged
     )
 
 
@@ -180,6 +187,16 @@ def submit(
     client = _client()
     job_id = job_name or uuid.uuid4().hex
     click.echo(job_id)
+    staged: dict[str, StagingProgress] = {}  # the stager's latest snapshot, shown with lines
+
+    def keep(progress: StagingProgress) -> None:
+        staged["latest"] = progress
+
+    def show(report: SubmitReport) -> None:
+        _submit_progress(report, staged.get("latest"))
+
+    client.stager.on_progress = keep
+
     with _input_lines(client, input_path) as (lines, base_dir):
         report = submit_jsonl(
             client,
@@ -190,11 +207,11 @@ def submit(
             webhook_url=webhook,
             name=job_name,
             base_dir=base_dir,
-            on_progress=_submit_progress,
+            on_progress=show,
             stager=client.stager,
             processes=processes or _processes_for(input_path),
         )
-    _submit_progress(report)
+    show(report)
     click.echo(err=True)
     if report.validation_error:
         raise click.ClickException(f"job {job_id} failed validation: {report.validation_error}")
@@ -283,6 +300,8 @@ def status(identifier: str, as_json: bool) -> None:
     counts = "  ".join(f"{k} {v:,}" for k, v in data["counts"].items())
     click.echo(f"job {identifier}: {data['state']}  {data['done']:,}/{data['total']:,} done")
     click.echo(f"  {counts}  bad lines {data['errors']:,}")
+    if data.get("validation_error"):
+        click.echo(f"  failed validation: {data['validation_error']}")
     eta = f", ETA {data['eta_s']:.0f}s" if data.get("eta_s") else ""
     click.echo(f"  rate {data['rate_per_s']:.2f}/s{eta}")
 

@@ -48,18 +48,17 @@ def job_summary(client: Client, job_id: str) -> dict[str, Any]:
     }
 
 
-_FIELDS = ("state", "result_url", "custom_id", "superseded", "error_code", "error_message")
+_FIELDS = ("state", "result_url", "custom_id", "error_code", "error_message")
 
 
 def _current_tasks(client: Client, job_id: str) -> Iterator[dict[str, str]]:
-    """Each current (not superseded) task of the job, with its status fields: those
-    enqueued by id, then the fed ones (a finished one from its folded record)."""
+    """Each current task of the job, with its status fields: those enqueued by id, then the
+    fed ones (one per custom_id; a finished one from its folded record)."""
     db = client.status_db
     ids = db.listed_task_ids(job_id)
     while window := list(islice(ids, 2000)):
         for task_id, status in zip(window, db.tasks(window, _FIELDS), strict=True):
-            if status.get("superseded") != "1":
-                yield {"id": task_id, **status}
+            yield {"id": task_id, **status}
     fed = db.fed_tasks(job_id)
     while batch := list(islice(fed, 2000)):
         live = [task_id for task_id, folded in batch if folded.state is None]

@@ -193,7 +193,7 @@ def task_result(
     status = _known_task(ctx, task_id)
     if status.get("state") not in _TERMINAL:
         raise ApiError(409, "not_finished", "the task has not finished yet")
-    url = status.get("result_url")
+    url = status.get("result_url") or status.get("result_key")  # a folded task: its key
     store = ctx.client.store
     if not url:
         if presign:

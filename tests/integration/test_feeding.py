@@ -291,3 +291,15 @@ def test_vlmq_submit_refuses_local_media_no_worker_could_read(settings, tmp_path
     assert summary["total"] == 0 and summary["state"] == "failed"
     assert not list(client.redis.scan_iter(KEYS.task("*")))
     assert client.redis.llen(KEYS.job_queue("text", "local")) == 0
+
+
+def test_a_feed_whose_input_was_removed_fails_its_lines_and_the_job_ends(settings):
+    client = Client(settings)
+    report = submit_jsonl(client, [_line(i) for i in range(20)], "gone", feed_first_window=False)
+    assert report.feed_id is not None
+    key = str(client.redis.hget(KEYS.feed(report.feed_id), "input"))
+    client.store.delete(key)  # e.g. a lifecycle rule on inputs/ shorter than the job
+    assert feeder_for(client).run_once() == 0
+    summary = job_summary(client, "gone")
+    assert summary["finished"] and summary["counts"]["failed"] == 20
+    assert not client.redis.exists(KEYS.feed(report.feed_id))

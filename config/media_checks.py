@@ -14,7 +14,13 @@ from typing import IO, Any
 from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge
 from vlmq.config.settings import MediaSettings
 
-__all__ = ["check_aspect_ratio", "check_image_pixels", "decode_data_uri", "open_video_container"]
+__all__ = [
+    "check_aspect_ratio",
+    "check_image_pixels",
+    "decode_data_uri",
+    "demuxed_span",
+    "open_video_container",
+]
 
 _MAX_DATA_URI_HEADER = 256
 _WHITESPACE = str.maketrans("", "", " \t\r\n")
@@ -82,3 +88,21 @@ def open_video_container(file: IO[bytes], settings: MediaSettings) -> Any:
         container.close()
         raise MediaDecodeFailed("video container format is not allowed")
     return container
+
+
+def demuxed_span(container: Any, stream: Any, settings: MediaSettings) -> tuple[int, float]:
+    """(packets, seconds) of a stream that carries no usable duration, counted by demuxing
+    alone (nothing decoded), bounded by ``video_max_decoded_frames``."""
+    count, first, end = 0, None, None
+    for packet in container.demux(stream):
+        if packet.pts is None or packet.size == 0:
+            continue  # the flush packet
+        count += 1
+        if count > settings.video_max_decoded_frames:
+            raise MediaTooLarge("video has too many frames")
+        first = packet.pts if first is None else min(first, packet.pts)
+        stop = packet.pts + (packet.duration or 0)
+        end = stop if end is None else max(end, stop)
+    if count == 0 or first is None or end is None:
+        raise MediaDecodeFailed("video has no decodable frames")
+    return count, float((end - first) * (stream.time_base or 1))

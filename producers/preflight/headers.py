@@ -31,6 +31,7 @@ from vlmq.config.media_checks import (
     check_aspect_ratio,
     check_image_pixels,
     decode_data_uri,
+    demuxed_span,
     open_video_container,
 )
 from vlmq.config.settings import MediaSettings
@@ -207,19 +208,7 @@ def _from_metadata(av: Any, container: Any, stream: Any) -> tuple[float, float, 
 
 def _from_packets(container: Any, stream: Any, media: MediaSettings) -> tuple[float, float, int]:
     """Count packets (no decoding), bounded as the worker bounds it."""
-    count, first, end = 0, None, None
-    for packet in container.demux(stream):
-        if packet.pts is None or packet.size == 0:
-            continue
-        count += 1
-        if count > media.video_max_decoded_frames:
-            raise MediaTooLarge("video has too many frames")
-        first = packet.pts if first is None else min(first, packet.pts)
-        stop = packet.pts + (packet.duration or 0)
-        end = stop if end is None else max(end, stop)
-    if count == 0 or first is None or end is None:
-        raise MediaDecodeFailed("video has no decodable frames")
-    duration = float((end - first) * (stream.time_base or 1))
+    count, duration = demuxed_span(container, stream, media)
     fps = _stream_fps(stream) or (count / duration if duration > 0 else 1.0)
     return fps, duration if duration > 0 else count / fps, count
 

@@ -23,6 +23,7 @@ from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge,
 from vlmq.config.media_checks import (
     check_aspect_ratio,
     check_image_pixels,
+    demuxed_span,
     open_video_container,
 )
 from vlmq.config.settings import MediaSettings
@@ -274,23 +275,10 @@ def _has_index(stream: Any) -> bool:
 
 def _probe_by_demuxing(data: bytes, settings: MediaSettings) -> _Probe:
     """Count packets without decoding them (cheap), bounded by the decode budget."""
-    count, first, end = 0, None, None
     with open_video_container(io.BytesIO(data), settings) as container:
         stream = _video_stream(container)
-        time_base = stream.time_base or Fraction(1, 1)
-        for packet in container.demux(stream):
-            if packet.pts is None or packet.size == 0:
-                continue  # the flush packet
-            count += 1
-            if count > settings.video_max_decoded_frames:
-                raise MediaTooLarge("video has too many frames")
-            first = packet.pts if first is None else min(first, packet.pts)
-            stop = packet.pts + (packet.duration or 0)
-            end = stop if end is None else max(end, stop)
+        count, duration = demuxed_span(container, stream, settings)
         fps = _stream_fps(stream)
-    if count == 0 or first is None or end is None:
-        raise MediaDecodeFailed("video has no decodable frames")
-    duration = float((end - first) * time_base)
     if fps is None:
         fps = count / duration if duration > 0 else 1.0
     if duration <= 0:

@@ -24,7 +24,6 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import islice
-from typing import Any
 
 from vlmq.config.jsonl import LineError
 from vlmq.config.results import ResultStore
@@ -37,17 +36,44 @@ __all__ = ["FeedCounts", "FeedLine", "Feeder"]
 log = logging.getLogger(__name__)
 
 
+_BODY = b',"r":'
+
+
 @dataclass(frozen=True)
 class FeedLine:
+    """One line of a staged input (producers/bulk.py ``_normalised``): its line number,
+    custom_id, class, and the request's fields as the JSON object text they were stored as."""
+
     number: int
     custom_id: str
     modality: str
-    request: dict[str, Any]
+    body: str
 
     @classmethod
     def parse(cls, raw: bytes) -> FeedLine:
-        record = json.loads(raw)
-        return cls(int(record["n"]), str(record["c"]), str(record["m"]), dict(record["r"]))
+        # The request is spliced into its message as stored, not parsed and dumped again: the
+        # head before it is all that is read (a key in a JSON string has its quotes escaped,
+        # so the first ',"r":' is the key).
+        at = raw.find(_BODY)
+        if at < 0 or not raw.endswith(b"}"):
+            record = json.loads(raw)
+            body = json.dumps(record["r"], ensure_ascii=False, separators=(",", ":"))
+        else:
+            record = json.loads(raw[:at] + b"}")
+            body = raw[at + len(_BODY) : -1].decode()
+        if not body.startswith("{"):
+            raise ValueError("the request is not an object")
+        return cls(int(record["n"]), str(record["c"]), str(record["m"]), body)
+
+    def request_json(self, task_id: str, job_id: str) -> str:
+        """The request as it is enqueued: its stored fields plus its task, job and custom_id."""
+        named = json.dumps(
+            {"id": task_id, "job_id": job_id, "custom_id": self.custom_id},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+        rest = self.body[1:]
+        return named[:-1] + ("," + rest if rest != "}" else "}")
 
 
 @dataclass
@@ -186,9 +212,7 @@ class Feeder:
             if lane == "bulk"
             else self.keys.queue(line.modality, lane)
         )
-        request = {**line.request, "id": task_id, "job_id": job.job_id}
-        request["custom_id"] = line.custom_id
-        wire = json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+        wire = line.request_json(task_id, job.job_id)
         message = encode_message(wire, task_id, queue, expires=job.expires)
         # (no "queue": a fed task's is its job's list for its class, and the lease records
         # where a held message came from)

@@ -16,11 +16,11 @@ from vlmq.producers.bulk import _normalised
     ["plain", 'tricky ,"r": {"id":"x"}', "ünïcødé ✓", None],
 )
 def test_a_stored_line_becomes_the_same_request_with_its_ids(custom_id: str | None) -> None:
-    image = {"type": "image", "image": "https://media.example.com/a ,\"r\": b.jpg"}
+    image = {"type": "image", "image": 'https://media.example.com/a ,"r": b.jpg'}
     request = Request.model_validate(
         {
             "custom_id": custom_id,
-            "messages": [{"role": "user", "content": [image, "what is ,\"r\": here? ✓"]}],
+            "messages": [{"role": "user", "content": [image, 'what is ,"r": here? ✓']}],
             "max_new_tokens": 7,
             "temperature": 0.5,
         }

@@ -27,6 +27,7 @@ from itertools import islice
 
 from vlmq.config.jsonl import LineError
 from vlmq.config.results import ResultStore
+from vlmq.config.settings import FleetSettings
 from vlmq.config.status import TaskState
 from vlmq.config.statusdb import Queued, StatusDB, claim_of, fed_task_id
 from vlmq.config.wire import encode_message
@@ -115,6 +116,15 @@ class Feeder:
         self.chunk = chunk
         self.lease_s = lease_s
         self.max_line_errors = max_line_errors
+
+    @classmethod
+    def for_fleet(
+        cls, status: StatusDB, store: ResultStore, fleet: FleetSettings, chunk: int = 2000
+    ) -> Feeder:
+        """A feeder with the fleet's window, lease and error cap (submitters and workers)."""
+        return cls(
+            status, store, fleet.feed_window, chunk, fleet.feed_lease_s, fleet.max_line_errors
+        )
 
     # the fleet's loop ------------------------------------------------------
     def run_once(self, limit: int = 16) -> int:
@@ -207,11 +217,7 @@ class Feeder:
     def _queued(self, job: _Job, line: FeedLine, submission: str, lane: str) -> Queued:
         claim = claim_of(line.custom_id)
         task_id = fed_task_id(job.number, claim, submission)
-        queue = (
-            self.keys.job_queue(line.modality, job.job_id)
-            if lane == "bulk"
-            else self.keys.queue(line.modality, lane)
-        )
+        queue = self.keys.lane_queue(line.modality, lane, job.job_id)
         wire = line.request_json(task_id, job.job_id)
         message = encode_message(wire, task_id, queue, expires=job.expires)
         # (no "queue": a fed task's is its job's list for its class, and the lease records

@@ -30,6 +30,12 @@ class Keys:
         """A bulk job's own list: workers share out batches fairly across jobs."""
         return f"{self.prefix}.{modality}.job.{job_id}"
 
+    def lane_queue(self, modality: str, lane: str, job_id: str | None = None) -> str:
+        """Where a task of ``lane`` goes: its bulk job's own list, else the lane's list."""
+        if lane == "bulk" and job_id is not None:
+            return self.job_queue(modality, job_id)
+        return self.queue(modality, lane)
+
     def control_queue(self) -> str:
         """The Celery queue a worker's own Celery consumer listens on (``vlmq.ping``)."""
         return f"{self.prefix}.control"

@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse
@@ -27,6 +27,7 @@ __all__ = [
     "S3Store",
     "open_store",
     "result_key",
+    "result_location",
     "split_lines",
 ]
 
@@ -41,6 +42,12 @@ def result_key(task_id: str, job_id: str | None, delivery: int) -> str:
     superseded holder never overwrites the winner's; the task's status hash points at the
     winner (``result_url``)."""
     return f"{job_id or '_tasks'}/{task_id}.{delivery}.json"
+
+
+def result_location(status: Mapping[str, str]) -> str | None:
+    """Where a finished task's result object is, from its status: the URL its settle stored,
+    or (a task folded into its job) the key derived from its winning delivery."""
+    return status.get("result_url") or status.get("result_key")
 
 
 class ResultStore(ABC):

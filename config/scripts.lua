@@ -541,8 +541,8 @@ function commands.reap_submitters()
 end
 
 -- Collects one message for a class pair's list (KEYS[base + 2*pair]); push_all pushes each
--- list's in one call (in order: the first collected is popped first) and counts them in the
--- pair's active zset (KEYS[base + 2*pair + 1]) when the list is a job list (`counted`).
+-- list's in one call (in order: the first collected is popped first) and, when the lists are
+-- job lists (`job_lists`), counts them in each pair's active zset (KEYS[base + 2*pair + 1]).
 local function push(pair, message, pushed)
   local list = pushed[pair]
   if not list then
@@ -552,10 +552,10 @@ local function push(pair, message, pushed)
   list[#list + 1] = message
 end
 
-local function push_all(base, pushed, depth, counted)
+local function push_all(base, pushed, depth, job_lists)
   for pair, messages in pairs(pushed) do
     call_many('LPUSH', KEYS[base + 2 * pair], messages, 1)
-    if counted[pair] then
+    if job_lists then
       local active = KEYS[base + 2 * pair + 1]
       redis.call('ZADD', active, 'NX', 0, KEYS[base + 2 * pair])
       redis.call('HINCRBY', depth, active, #messages)
@@ -598,16 +598,16 @@ function commands.submit()
   local job, ttl, sub, prefix = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[6]
   local pairs_n = tonumber(ARGV[7])
   local names, at = read_names(8)
-  local first_task, pushed, counted = 5 + 2 * pairs_n, {}, {}
-  for pair = 1, pairs_n do counted[pair] = true end
+  local first_task, pushed, ids = 5 + 2 * pairs_n, {}, {}
   for i = first_task, #KEYS do
     local pair = tonumber(ARGV[at])
     create_task(KEYS[i], names, at + 1, t, ttl)
     push(pair, ARGV[at + 1 + #names], pushed)
-    redis.call('RPUSH', tasks, string.sub(KEYS[i], #prefix + 1))
+    ids[#ids + 1] = string.sub(KEYS[i], #prefix + 1)
     at = at + 2 + #names
   end
-  push_all(3, pushed, KEYS[4], counted)
+  push_all(3, pushed, KEYS[4], true)
+  call_many('RPUSH', tasks, ids, 1)
   local added = #KEYS - first_task + 1
   redis.call('HINCRBY', jobkey, 'total', added)
   redis.call('HINCRBY', jobkey, 'queued', added)
@@ -644,14 +644,21 @@ end
 -- or lapsed (a feeder that died) are leased to the caller. Returns their feed ids.
 function commands.take_feeds()
   local t = now()
-  local subs = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', t, 'LIMIT', 0, tonumber(ARGV[3]))
-  for _, sub in ipairs(subs) do redis.call('ZADD', KEYS[1], 'XX', t + tonumber(ARGV[2]), sub) end
-  return subs
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', t, 'LIMIT', 0, tonumber(ARGV[3]))
+  for _, id in ipairs(ids) do redis.call('ZADD', KEYS[1], 'XX', t + tonumber(ARGV[2]), id) end
+  return ids
 end
 
 -- release_feed: KEYS[1] feeds zset. ARGV: feed id. The feeder is done with it for now.
 function commands.release_feed()
   return redis.call('ZADD', KEYS[1], 'XX', 0, ARGV[2])
+end
+
+-- A feed that ended (fed to its end, or dropped) leaves its job and the feeds zset.
+local function forget_feed(jobkey, feedkey, feeds, feed)
+  redis.call('DEL', feedkey)
+  redis.call('ZREM', feeds, feed)
+  redis.call('HDEL', jobkey, 'feed:' .. feed)
 end
 
 -- The rest of a feed will not be fed (its job was cancelled or expired): its lines leave
@@ -666,9 +673,7 @@ local function drop_feed(jobkey, feedkey, feeds, job, feed, state, t, events)
     -- Where the lines that never ran are (the job's error file lists them from there).
     redis.call('HSET', jobkey, 'dropped:' .. feed, f[2] .. ' ' .. f[3] .. ' ' .. state)
   end
-  redis.call('DEL', feedkey)
-  redis.call('ZREM', feeds, feed)
-  redis.call('HDEL', jobkey, 'feed:' .. feed)
+  forget_feed(jobkey, feedkey, feeds, feed)
   finish_check(jobkey, job, t, events)
   return left
 end
@@ -692,7 +697,7 @@ end
 -- job-list depth hash, KEYS[6] events list, then per modality class its list and active zset
 -- (pairs), then one task hash per line. ARGV: job id, ttl seconds, submission id, feed id,
 -- task key prefix, expected cursor, new cursor, lines consumed (each was counted), number of
--- class pairs, per pair whether its list is a job list ('1') or the interactive lane ('0'),
+-- class pairs, whether the pairs' lists are job lists ('1') or the interactive lane's ('0'),
 -- F and the F status field names; then per line: claim, class pair, F values, message.
 -- Returns {status, codes}: status 'fed' | 'stale' | 'cancelled' | 'expired'; a code per line
 -- 'q' enqueued, 's' skipped, 'd' duplicate.
@@ -710,9 +715,8 @@ function commands.feed()
     return {state, {}}
   end
   local consumed, pairs_n = tonumber(ARGV[9]), tonumber(ARGV[10])
-  local counted = {}
-  for pair = 1, pairs_n do counted[pair] = ARGV[10 + pair] == '1' end
-  local names, at = read_names(11 + pairs_n)
+  local job_lists = ARGV[11] == '1'
+  local names, at = read_names(12)
   local first_task, codes, pushed, dropped = 7 + 2 * pairs_n, {}, {}, 0
   local claimed, new_claims = {}, {}  -- claims this chunk makes, written in one call
   for i = first_task, #KEYS do
@@ -743,7 +747,7 @@ function commands.feed()
     at = at + 3 + #names
   end
   call_many('HSET', claims, new_claims, 2)
-  push_all(5, pushed, KEYS[5], counted)
+  push_all(5, pushed, KEYS[5], job_lists)
   -- Lines consumed without a task (unreadable in the stored input) leave the counts too.
   dropped = dropped + consumed - (#KEYS - first_task + 1)
   if dropped > 0 then
@@ -753,11 +757,7 @@ function commands.feed()
   redis.call('HINCRBY', jobkey, 'unfed', -consumed)
   local left = redis.call('HINCRBY', feedkey, 'left', -consumed)
   redis.call('HSET', feedkey, 'cursor', ARGV[8])
-  if left <= 0 then
-    redis.call('DEL', feedkey)
-    redis.call('ZREM', KEYS[4], feed)
-    redis.call('HDEL', jobkey, 'feed:' .. feed)
-  end
+  if left <= 0 then forget_feed(jobkey, feedkey, KEYS[4], feed) end
   for _, k in ipairs({jobkey, claims}) do redis.call('EXPIRE', k, ttl) end
   finish_check(jobkey, job, t, KEYS[6])
   return {'fed', codes}

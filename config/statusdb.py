@@ -289,11 +289,7 @@ class StatusDB:
         for line in lines:
             if line.modality not in pairs:
                 pairs[line.modality] = len(pairs) + 1
-                queue = (
-                    self.keys.job_queue(line.modality, job_id)
-                    if lane == "bulk"
-                    else self.keys.queue(line.modality, lane)
-                )
+                queue = self.keys.lane_queue(line.modality, lane, job_id)
                 keys += [queue, self.keys.active_jobs(line.modality)]
         return pairs
 
@@ -357,7 +353,7 @@ class StatusDB:
         ]
         pairs = self._class_pairs(keys, job_id, lines, lane)
         args: list[Any] = [job_id, self.ttl_s, submission, feed_id, self.keys.task_prefix]
-        args += [*cursor, consumed, len(pairs), *(["1" if lane == "bulk" else "0"] * len(pairs))]
+        args += [*cursor, consumed, len(pairs), "1" if lane == "bulk" else "0"]
         args += [len(QUEUED_FIELDS), *QUEUED_FIELDS]
         for line in lines:
             keys.append(self.keys.task(line.task_id))

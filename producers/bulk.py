@@ -353,12 +353,4 @@ def _feed_first_window(
 
 
 def feeder_for(client: Client, chunk: int = 2000) -> Feeder:
-    fleet = client.settings.fleet
-    return Feeder(
-        client.status_db,
-        client.store,
-        window=fleet.feed_window,
-        chunk=chunk,
-        lease_s=fleet.feed_lease_s,
-        max_line_errors=fleet.max_line_errors,
-    )
+    return Feeder.for_fleet(client.status_db, client.store, client.settings.fleet, chunk)

@@ -26,7 +26,7 @@ from vlmq.config.connection import create_redis
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
-from vlmq.config.results import ResultStore, open_store
+from vlmq.config.results import ResultStore, open_store, result_location
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL, TaskState
@@ -95,7 +95,7 @@ class Client:
         self, request: Request, lane: str = "bulk", expires: datetime | None = None
     ) -> Queued:
         """``request`` as it is enqueued: its queue, status fields and Celery message."""
-        queue = self._queue_for(request, lane)
+        queue = self.keys.lane_queue(request.modality.value, lane, request.job_id)
         fields = {
             "job_id": request.job_id,
             "custom_id": request.custom_id,
@@ -116,7 +116,7 @@ class Client:
     ) -> None:
         """Write status hashes and messages of requests outside any bulk job (a lane's
         own list) into the caller's pipeline: two commands per task, one push per list.
-        A bulk job's lines go through ``StatusDB.submit_chunk`` instead."""
+        A bulk job's tasks go through ``StatusDB.submit_tasks`` or a feed instead."""
         pushes: dict[str, list[str]] = {}
         jobs: dict[str, int] = {}
         for request in requests:
@@ -134,12 +134,6 @@ class Client:
             self.status_db.count_queued(pipe, job_id, count)
         for name, messages in pushes.items():
             pipe.lpush(name, *messages)
-
-    def _queue_for(self, request: Request, lane: str) -> str:
-        modality = request.modality.value
-        if lane == "bulk" and request.job_id is not None:
-            return self.keys.job_queue(modality, request.job_id)
-        return self.keys.queue(modality, lane)
 
     def submit(
         self,
@@ -273,7 +267,7 @@ class Client:
         while True:
             status = self.status_db.task(task_id)
             if status.get("state") in _TERMINAL_STATES:
-                location = status.get("result_url") or status.get("result_key")
+                location = result_location(status)
                 return self.store.get(location) if location else {"id": task_id, **status}
             if time.monotonic() >= deadline:
                 return None

@@ -14,6 +14,7 @@ from itertools import islice
 from typing import Any
 
 from vlmq.config.feeding import FeedLine
+from vlmq.config.results import result_location
 from vlmq.config.status import TERMINAL, JobState
 from vlmq.producers.client import Client
 
@@ -71,7 +72,7 @@ def _current_tasks(client: Client, job_id: str) -> Iterator[dict[str, str]]:
 
 
 def _fetch(client: Client, status: dict[str, str]) -> dict[str, Any]:
-    location = status.get("result_url") or status.get("result_key")
+    location = result_location(status)
     record = client.store.get(location) if location else None
     if record is not None:
         return record

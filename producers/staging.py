@@ -55,8 +55,6 @@ _MEMO_TTL_S = 3600.0
 # After the store refused an upload, later uploads fail at once for this long instead of each
 # waiting out the store client's retries (a broken store refuses a 10M-line job quickly).
 _REFUSAL_HOLD_S = 30.0
-_MAX_DATA_URI_HEADER = 256
-_WHITESPACE = str.maketrans("", "", " \t\r\n")
 _PLAIN_EXT = re.compile(r"^[a-z0-9]{1,8}$")
 _FIXES = (
     "set VLMQ_MEDIA__STAGING_URL to a store this machine can write and the workers can read "

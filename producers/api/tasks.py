@@ -11,6 +11,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from vlmq.config.results import result_location
 from vlmq.config.schemas import Request
 from vlmq.config.status import TaskState
 from vlmq.producers.api.context import ApiContext, context
@@ -193,7 +194,7 @@ def task_result(
     status = _known_task(ctx, task_id)
     if status.get("state") not in _TERMINAL:
         raise ApiError(409, "not_finished", "the task has not finished yet")
-    url = status.get("result_url") or status.get("result_key")  # a folded task: its key
+    url = result_location(status)
     store = ctx.client.store
     if not url:
         if presign:

@@ -49,7 +49,6 @@ __all__ = [
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _REMOTE_SCHEMES = ("http", "https", "s3")
-_MAX_DATA_URI_HEADER = 256
 # EXIF orientations that turn the picture a quarter turn (width and height swap).
 _QUARTER_TURNS = {5, 6, 7, 8}
 _ORIENTATION_TAG = 0x0112

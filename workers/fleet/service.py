@@ -128,13 +128,9 @@ class WorkerService:
             settings, self.modalities, self.engine, self.name, self.redis, store, observers
         )
         fleet = settings.fleet
-        self.feeder = Feeder(
-            StatusDB(create_redis(settings), self.keys, ttl_s=fleet.task_ttl_s),
-            store,
-            window=fleet.feed_window,
-            lease_s=fleet.feed_lease_s,
-            max_line_errors=fleet.max_line_errors,
-        )
+        # Its own connection: a feed's script never waits behind the batch loop's.
+        status = StatusDB(create_redis(settings), self.keys, ttl_s=fleet.task_ttl_s)
+        self.feeder = Feeder.for_fleet(status, store, fleet)
         return self
 
     def _metrics(self) -> WorkerMetrics:

@@ -4,7 +4,10 @@ Detected per line:
 
 * vlmq / Hugging Face: ``{"custom_id": "...", "messages": [...], "max_new_tokens": 64}``
 * OpenAI Batch: ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions",
-  "body": {"model": "...", "messages": [...], "max_tokens": 64}}``
+  "body": {"model": "...", "messages": [...], "max_tokens": 64}}``; the body's OpenAI
+  sampling and ``response_format`` fields, and vLLM's extensions (``repetition_penalty``,
+  ``min_tokens``, ``structured_outputs`` and the older ``guided_*`` constraints), map onto
+  the request's generation fields.
 
 A bad line never stops a run: it becomes a :class:`LineError` naming the line
 and the reason (as in vLLM's ``run_batch``).
@@ -23,6 +26,8 @@ from vlmq.config.schemas import Request
 
 __all__ = ["LineError", "ParsedLine", "describe_validation_error", "parse_line", "read_requests"]
 
+# OpenAI chat body fields, plus the extensions vLLM accepts in one (repetition_penalty,
+# min_tokens) and vlmq's own constraint fields, by the Request field each sets.
 _OPENAI_BODY_FIELDS = {
     "max_tokens": "max_new_tokens",
     "max_completion_tokens": "max_new_tokens",
@@ -30,7 +35,26 @@ _OPENAI_BODY_FIELDS = {
     "top_p": "top_p",
     "stop": "stop",
     "seed": "seed",
+    "n": "n",
+    "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "response_format": "response_format",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
 }
+# vLLM's constraint fields: the ``structured_outputs`` object's keys and the older top-level
+# ``guided_*`` names, by the vlmq constraint each is. A JSON schema becomes an OpenAI
+# ``response_format`` so that results carry ``parsed`` as for any JSON constraint.
+_VLLM_CONSTRAINTS = ("json", "regex", "choice", "grammar")
+_VLLM_GUIDED = {f"guided_{name}": name for name in _VLLM_CONSTRAINTS}
+# A vLLM constraint vlmq cannot honour: refused rather than ignored, since ignoring it would
+# return unconstrained output to a caller who asked for a shape.
+_VLLM_UNSUPPORTED = ("structural_tag",)
 _CHAT_URLS = {"/v1/chat/completions", "/chat/completions"}
 
 
@@ -65,6 +89,64 @@ def describe_validation_error(exc: ValidationError) -> str:
     return f"{where}: {reason}" if where else reason
 
 
+def _json_schema(value: Any, where: str) -> dict[str, Any]:
+    """A vLLM JSON constraint (a schema object, or its JSON text) as a response_format."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be a JSON Schema object")
+    return {"type": "json_schema", "json_schema": {"name": "response", "schema": value}}
+
+
+def _structured_outputs(body: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """The constraints of vLLM's ``structured_outputs`` object, as (body field, vLLM name,
+    value); its tuning options (whitespace_pattern, disable_*) are the engine's business."""
+    structured = body.get("structured_outputs")
+    if structured is None:
+        return []
+    if not isinstance(structured, dict):
+        raise ValueError("structured_outputs: must be an object")
+    for key in _VLLM_UNSUPPORTED:
+        if structured.get(key) is not None:
+            raise ValueError(f"structured_outputs.{key}: is not supported")
+    found = [(f"structured_outputs.{key}", key, structured.get(key)) for key in _VLLM_CONSTRAINTS]
+    if structured.get("json_object"):
+        found.append(("structured_outputs.json_object", "json_object", True))
+    return [(where, key, value) for where, key, value in found if value is not None]
+
+
+def _vllm_constraint(name: str, value: Any, where: str) -> tuple[str, Any]:
+    """One vLLM constraint as (Request field, value)."""
+    if name == "json":
+        return "response_format", _json_schema(value, where)
+    if name == "json_object":
+        return "response_format", {"type": "json_object"}
+    return name, value
+
+
+def _vllm_constraints(body: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """vLLM's constraint fields in a body, as {Request field: (body field, value)}."""
+    found = _structured_outputs(body)
+    found += [
+        (key, name, body[key]) for key, name in _VLLM_GUIDED.items() if body.get(key) is not None
+    ]
+    fields: dict[str, tuple[str, Any]] = {}
+    for where, name, value in found:
+        target, value = _vllm_constraint(name, value, where)
+        if target in fields:
+            raise ValueError(_two_constraints(where, fields[target][0]))
+        fields[target] = (where, value)
+    return fields
+
+
+def _two_constraints(where: str, other: str) -> str:
+    # Two fields setting one Request field: the schema would only ever see the last one.
+    return f"{where}: at most one constraint per request; also got {other}"
+
+
 def _from_openai(obj: dict[str, Any]) -> dict[str, Any]:
     url = obj.get("url", "/v1/chat/completions")
     if url not in _CHAT_URLS:
@@ -73,10 +155,21 @@ def _from_openai(obj: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("body: must be an object")
     fields: dict[str, Any] = {"custom_id": obj.get("custom_id"), "messages": body.get("messages")}
+    # Other body fields (user, tools, logit_bias, top_k, ...) are ignored, as an
+    # OpenAI-compatible server ignores what it does not implement.
     for source, target in _OPENAI_BODY_FIELDS.items():
         if body.get(source) is not None:
             fields[target] = body[source]
+    for target, (where, value) in _vllm_constraints(body).items():
+        if target in fields and not _plain_text(fields[target]):
+            raise ValueError(_two_constraints(where, target))
+        fields[target] = value
     return fields
+
+
+def _plain_text(value: Any) -> bool:
+    """``response_format: {"type": "text"}``: OpenAI's default, no constraint."""
+    return isinstance(value, dict) and value.get("type") == "text"
 
 
 def to_request_fields(obj: dict[str, Any]) -> dict[str, Any]:

@@ -18,9 +18,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from vlmq.config.constraints import (
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    Constraint,
+    ConstraintError,
+    constraint_of,
+)
 
 __all__ = [
+    "MAX_N",
+    "MAX_TOP_LOGPROBS",
     "TASK_ID_PATTERN",
+    "Choice",
     "FinishReason",
     "GenerationParams",
     "ImagePart",
@@ -128,8 +141,23 @@ class Message(BaseModel):
         raise ValueError("content must be a string or a list of parts")
 
 
+# One request's completions are rows of one padded batch: a bound keeps a request's share of a
+# micro-batch sane (OpenAI allows 128; batch jobs rarely ask for more than a handful).
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+_CONSTRAINT_FIELDS = ("response_format", "regex", "choice", "grammar")
+
+
 class GenerationParams(BaseModel):
-    """Per-request generation settings; ``None`` means the worker's default."""
+    """Per-request generation settings; ``None`` means the worker's default.
+
+    Sampling: ``temperature``, ``top_p``, ``seed``, ``n`` completions (completion i of a seeded
+    request is reproducible whatever its batch-mates), penalties, ``min_tokens``; ``logprobs``
+    and ``top_logprobs`` per generated token. Constraints, at most one: OpenAI
+    ``response_format`` (``json_object``, ``json_schema``), ``regex``, ``choice``, ``grammar``
+    (Lark); checked here without torch (config/constraints.py), so a bad one fails at submit
+    naming its field.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -139,6 +167,19 @@ class GenerationParams(BaseModel):
     do_sample: bool | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
     seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    min_tokens: int | None = Field(None, ge=0)
+    response_format: dict[str, Any] | None = None
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES
+    )
+    grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -152,12 +193,68 @@ class GenerationParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
+        if kind != "json_schema":
+            return {"type": kind}
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("json_schema must be an object with a 'schema' object")
+        name = spec.get("name", "response")
+        if not isinstance(name, str) or not 1 <= len(name) <= 64:
+            raise ValueError("json_schema.name must be a string of 1-64 characters")
+        if not isinstance(spec.get("strict", False), bool | None):
+            raise ValueError("json_schema.strict must be a boolean")
+        kept = {k: spec[k] for k in ("name", "description", "schema", "strict") if k in spec}
+        return {"type": kind, "json_schema": kept}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GenerationParams:
+        set_ = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if self.response_format == {"type": "text"}:
+            set_.remove("response_format")
+        if len(set_) > 1:
+            raise ValueError(f"at most one constraint per request; got {', '.join(set_)}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.min_tokens and self.max_new_tokens and self.min_tokens > self.max_new_tokens:
+            raise ValueError("min_tokens is larger than max_new_tokens")
+        try:
+            constraint_of(self.response_format, self.regex, self.choice, self.grammar)
+        except ConstraintError as exc:
+            raise PydanticCustomError(
+                "invalid_constraint",
+                "{field}: {reason}",
+                {"field": exc.field, "reason": exc.reason},
+            ) from None
+        return self
+
     @property
     def sampling(self) -> bool:
         """Sample when asked, or when a positive temperature implies it."""
         if self.do_sample is not None:
             return self.do_sample
         return bool(self.temperature)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The request's constraint with its grammar (checked when the request was made)."""
+        return constraint_of(self.response_format, self.regex, self.choice, self.grammar)
+
+    @property
+    def completions(self) -> int:
+        return self.n or 1
+
+    @property
+    def wants_choices(self) -> bool:
+        """Results carry ``choices`` when more than one completion or logprobs are asked."""
+        return self.completions > 1 or bool(self.logprobs)
 
 
 GENERATION_FIELDS = tuple(GenerationParams.model_fields)
@@ -246,6 +343,16 @@ class Usage(BaseModel):
         return self.prompt_tokens + self.completion_tokens
 
 
+class Choice(BaseModel):
+    """One completion of a request (OpenAI's ``choices[i]``, with vlmq's text field)."""
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: dict[str, Any] | None = None
+    parsed: Any = None
+
+
 class Result(BaseModel):
     """Exactly one per request: an output, or an error with a stable code."""
 
@@ -266,3 +373,7 @@ class Result(BaseModel):
     padding_ratio: float | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     worker: str | None = None
+    # With n > 1 or logprobs: every completion (choices[0] is ``output``).
+    choices: list[Choice] | None = None
+    # With a JSON constraint: ``output`` parsed (None when it did not finish, e.g. length).
+    parsed: Any = None

@@ -136,6 +136,8 @@ class EngineSettings(BaseModel):
     # Sort each pulled batch by length before cutting micro-batches, so rows of
     # similar length are padded together (off: first-come order, for comparison).
     length_bucketing: bool = True
+    # Distinct constraints (schemas, regexes, choices, grammars) kept compiled per worker.
+    grammar_cache_size: int = Field(512, ge=1)
     torch_threads: int | None = None
     # The image processor's backend: torchvision (the fast one, transformers' default) or pil
     # (the slow reference). Their pixel values differ slightly (docs/design.md).

@@ -79,10 +79,20 @@ class SubmitReport:
         return self.lines / elapsed if elapsed > 0 else 0.0
 
 
+# The generation fields every digest has held: a field added since counts only when set, so
+# a line's content id (the key a resubmitted job is resumed by) survives the upgrade.
+_DIGESTED_GENERATION = ("max_new_tokens", "temperature", "top_p", "do_sample", "stop", "seed")
+
+
 def content_id(request: Request) -> str:
     """A custom_id from what a request asks (messages and generation fields), not from where
     it sits in its file."""
     asked = request.model_dump(mode="json", exclude={"id", "job_id", "custom_id"})
+    asked["generation"] = {
+        name: value
+        for name, value in asked["generation"].items()
+        if name in _DIGESTED_GENERATION or value is not None
+    }
     digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
     return f"sha256-{digest[:32]}"
 

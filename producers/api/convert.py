@@ -2,7 +2,8 @@
 
 A body is either a vlmq request (``messages`` plus generation fields at the
 top level) or an OpenAI chat completions body (``model``, ``messages``,
-``max_tokens``, ...), told apart by the ``model`` key OpenAI requires.
+``max_tokens``, ``n``, ``response_format``, ... and vLLM's extensions: see
+config/jsonl.py), told apart by the ``model`` key OpenAI requires.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ _SERVER_FIELDS = ("id", "job_id")
 def _openai_fields(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("stream"):
         raise InvalidRequest("streaming is not supported; poll the task instead", field="stream")
-    if body.get("n") not in (None, 1):
-        raise InvalidRequest("only one choice per request is supported", field="n")
     try:
         return to_request_fields({"body": body, "custom_id": body.get("custom_id")})
     except ValueError as exc:  # our own messages ("body: must be an object")

@@ -1,7 +1,8 @@
-"""The OpenAI File and Batch objects, shaped so the official client parses them.
+"""The OpenAI File, Batch and chat completion objects, shaped so the official client parses
+them.
 
-Field names, types and literals follow ``openai.types.FileObject`` and
-``openai.types.Batch``; they also document the routes in /openapi.json.
+Field names, types and literals follow ``openai.types.FileObject``, ``openai.types.Batch``
+and ``openai.types.chat.ChatCompletion``; they also document the routes in /openapi.json.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "BatchList",
     "BatchObject",
     "BatchStatus",
+    "ChatCompletion",
     "FileList",
     "FileObject",
     "RequestCounts",
@@ -114,3 +116,47 @@ class BatchList(BaseModel):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    """A task's result as OpenAI chat completion (``GET /v1/tasks/{id}/result?format=openai``;
+    built by producers/export.py ``to_chat_completion``, as batch output lines are)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage

@@ -11,13 +11,15 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlmq.config.results import result_location
-from vlmq.config.schemas import Request
+from vlmq.config.results import ResultStore, result_location
+from vlmq.config.schemas import MAX_N, MAX_TOP_LOGPROBS, Request
 from vlmq.config.status import TaskState
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
 from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
+from vlmq.producers.api.openai_models import ChatCompletion
 from vlmq.producers.api.queues import check_capacity
+from vlmq.producers.export import to_chat_completion
 
 __all__ = ["router"]
 
@@ -38,7 +40,13 @@ class ChatMessage(BaseModel):
 
 
 class TaskBody(BaseModel):
-    """A vlmq request, or an OpenAI chat completions body (``model`` present)."""
+    """A vlmq request, or an OpenAI chat completions body (``model`` present).
+
+    Both take the sampling fields below and at most one constraint (``response_format``,
+    ``regex``, ``choice``, ``grammar``); an OpenAI body also takes vLLM's
+    ``structured_outputs`` object and ``guided_*`` fields. Bounds and constraints are checked
+    at submit (422 ``invalid_request`` naming the field).
+    """
 
     model_config = ConfigDict(extra="allow")
 
@@ -49,6 +57,19 @@ class TaskBody(BaseModel):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    n: int | None = Field(None, description=f"Completions, 1 to {MAX_N}")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, description=f"0 to {MAX_TOP_LOGPROBS}; needs logprobs")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="OpenAI: {type: text | json_object | json_schema, json_schema}"
+    )
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="A Lark grammar")
     model: str | None = None
     max_tokens: int | None = None
 
@@ -184,16 +205,45 @@ def _record_without_object(task_id: str, status: dict[str, str]) -> dict[str, An
     }
 
 
-@router.get("/tasks/{task_id}/result", responses=error_responses(400, 401, 404, 409, 429, 503))
+def _presigned(store: ResultStore, url: str) -> dict[str, str]:
+    signed = store.presign(store.key_of(url))
+    if signed is None:
+        raise ApiError(400, "presign_unsupported", "the results store cannot presign URLs")
+    return {"url": signed}
+
+
+def _in_format(record: dict[str, Any], format: str) -> dict[str, Any]:
+    """The record as asked: a succeeded one as a chat completion with ``format=openai``; one
+    that did not succeed has no completion, so it is answered as is (``status``, ``error``)."""
+    if format == "openai" and record.get("status") == "succeeded":
+        return to_chat_completion(record)
+    return record
+
+
+@router.get("/tasks/{task_id}/result", responses=error_responses(400, 401, 404, 409, 422, 429, 503))
 def task_result(
     task_id: str,
     presign: bool = Query(False, description="Answer a presigned URL of the stored object"),
+    format: Literal["vlmq", "openai"] = Query(
+        "vlmq",
+        description="vlmq: the stored result record. openai: a succeeded task's result as an "
+        "OpenAI chat completion (choices[i].message.content, choices[i].logprobs, usage)",
+    ),
     ctx: ApiContext = Depends(context),
-) -> dict[str, Any]:
-    """The stored result object once the task is terminal (409 ``not_finished`` before)."""
+) -> ChatCompletion | dict[str, Any]:
+    """The result once the task is terminal (409 ``not_finished`` before).
+
+    ``format=vlmq`` (the default) answers the stored record: ``output``, ``choices`` (with
+    n > 1 or logprobs), ``parsed``, ``usage``, ``error``. ``format=openai`` answers a
+    succeeded task as an OpenAI ``chat.completion`` object, the body of an OpenAI Batch output
+    line; a failed, cancelled or expired task is answered as with ``format=vlmq``.
+    ``presign`` answers a URL of the stored record instead, so it takes no ``format``.
+    """
     status = _known_task(ctx, task_id)
     if status.get("state") not in _TERMINAL:
         raise ApiError(409, "not_finished", "the task has not finished yet")
+    if presign and format != "vlmq":
+        raise ApiError(422, "invalid_request", "format: presign answers the stored vlmq record")
     url = result_location(status)
     store = ctx.client.store
     if not url:
@@ -201,14 +251,11 @@ def task_result(
             raise ApiError(404, "not_found", "the task has no stored result object")
         return _record_without_object(task_id, status)
     if presign:
-        signed = store.presign(store.key_of(url))
-        if signed is None:
-            raise ApiError(400, "presign_unsupported", "the results store cannot presign URLs")
-        return {"url": signed}
+        return _presigned(store, url)
     record = store.get(url)
     if record is None:
         raise ApiError(404, "not_found", "the result object is missing from the store")
-    return record
+    return _in_format(record, format)
 
 
 @router.post("/tasks/{task_id}/cancel", responses=_READ_ERRORS)

@@ -253,7 +253,8 @@ class Preflight:
             # The rendered text holds one placeholder per item; each becomes its item's tokens.
             text_tokens=rendered - len(visual),
             visual_tokens=sum(visual),
-            output_tokens=min(asked, engine.max_new_tokens_cap),
+            # Each of the n completions may run to the limit (the prompt is shared).
+            output_tokens=min(asked, engine.max_new_tokens_cap) * request.generation.completions,
             frames=frames,
             unknown_media=unknown,
             problem=problem,

@@ -2,7 +2,8 @@
 
 Sorting by estimated prompt length keeps rows of similar length together, so
 left padding wastes few tokens; the budget counts every padded position the
-device holds (rows x (longest prompt + longest generation)).
+device holds (rows x (longest prompt + longest generation)). A request with ``n`` sampled
+completions is ``n`` rows (its ``rows``; 1 for items that do not say).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class Sized(Protocol):
 
 
 T = TypeVar("T", bound=Sized)
+
+
+def _rows(item: Sized) -> int:
+    return int(getattr(item, "rows", 1))
 
 
 # With bucketing, a micro-batch that is at least half full is closed early
@@ -50,7 +55,7 @@ def padded_cost(items: Sequence[Sized]) -> int:
         return 0
     longest_prompt = max(i.prompt_tokens for i in items)
     longest_new = max(i.max_new_tokens for i in items)
-    return len(items) * (longest_prompt + longest_new)
+    return sum(_rows(i) for i in items) * (longest_prompt + longest_new)
 
 
 def _full(grown: _Extent, current: _Extent, max_rows: int, budget: int, bucketing: bool) -> bool:
@@ -74,16 +79,19 @@ def plan_micro_batches(
     current: list[T] = []
     extent = _Extent(0, 0, 0)
     for item in ordered:
+        rows = _rows(item)
         grown = _Extent(
-            extent.rows + 1,
+            extent.rows + rows,
             max(extent.prompt, item.prompt_tokens),
             max(extent.new, item.max_new_tokens),
-            extent.real + item.prompt_tokens,
+            extent.real + item.prompt_tokens * rows,
         )
         if current and _full(grown, extent, max_batch_size, token_budget, bucketing):
             batches.append(current)
             current = []
-            grown = _Extent(1, item.prompt_tokens, item.max_new_tokens, item.prompt_tokens)
+            grown = _Extent(
+                rows, item.prompt_tokens, item.max_new_tokens, item.prompt_tokens * rows
+            )
         current.append(item)
         extent = grown
     if current:

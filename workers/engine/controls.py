@@ -9,19 +9,36 @@ behave per row instead:
   exactly that token. A seeded request therefore samples the same tokens
   whatever its batch-mates are.
 * :class:`RowStopper` ends each row at its own ``max_new_tokens`` or at one of
-  its stop strings; the batch generates to the longest row's limit.
+  its stop strings (not before its ``min_tokens``); the batch generates to the longest
+  row's limit.
+* :class:`RowPenalties` applies each row's repetition (multiplicative, over prompt and
+  output, as transformers and vLLM do), presence and frequency (additive, over the output,
+  OpenAI's definition) penalties; :class:`RowMinTokens` holds back EOS until a row has its
+  ``min_tokens``.
+
+The list runs in this order every step: logprobs (raw logits), penalties, min tokens,
+constraints, sampler; so a sampled token obeys the constraint and its logprob is the model's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
-__all__ = ["RowSampler", "RowSampling", "RowStopper"]
+__all__ = [
+    "RowMinTokens",
+    "RowPenalties",
+    "RowPenalty",
+    "RowSampler",
+    "RowSampling",
+    "RowStopper",
+    "completion_seed",
+]
 
 # Below this a temperature is greedy in effect; it keeps the division finite.
 _MIN_TEMPERATURE = 1e-5
@@ -32,6 +49,23 @@ class RowSampling:
     temperature: float
     top_p: float
     seed: int
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request seeded ``seed``: the first keeps the
+    request's seed (n=1 is unchanged), the others get their own stream, so completion i is
+    reproducible whatever else runs beside it."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+@dataclass(frozen=True)
+class RowPenalty:
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -83,9 +117,11 @@ class RowStopper(StoppingCriteria):
         max_new_tokens: Sequence[int],
         stop_strings: Sequence[Sequence[str]],
         decode: Callable[[list[int]], str],
+        min_tokens: Sequence[int] | None = None,
     ) -> None:
         self.prompt_length = prompt_length
         self.max_new_tokens = torch.tensor(list(max_new_tokens))
+        self.min_tokens = list(min_tokens or [0] * len(stop_strings))
         self.stop_strings = [list(s) for s in stop_strings]
         self.decode = decode
         # A stop string spans at most len(s) tokens; look a little further back.
@@ -97,6 +133,8 @@ class RowStopper(StoppingCriteria):
         generated = input_ids.shape[1] - self.prompt_length
         done = (generated >= self.max_new_tokens).to(input_ids.device)
         for row, stops in enumerate(self.stop_strings):
+            if generated <= self.min_tokens[row]:
+                continue
             if stops and not done[row] and self._hit(input_ids[row], row, generated, stops):
                 self.stopped_at[row] = generated
                 done[row] = True
@@ -106,3 +144,71 @@ class RowStopper(StoppingCriteria):
         window = min(self.windows[row], generated)
         tail = self.decode(row_ids[-window:].tolist()) if window else ""
         return any(stop in tail for stop in stops)
+
+
+class RowMinTokens(LogitsProcessor):
+    """EOS is not an option for a row until it has generated its ``min_tokens``."""
+
+    def __init__(self, min_tokens: Sequence[int], eos_ids: Iterable[int]) -> None:
+        self.min_tokens = torch.tensor(list(min_tokens))
+        self.eos_ids = torch.tensor(sorted(eos_ids))
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        held = torch.nonzero(self.min_tokens > self.steps).flatten().to(scores.device)
+        self.steps += 1
+        if held.numel():
+            eos = self.eos_ids.to(scores.device)
+            scores[held.unsqueeze(1), eos.unsqueeze(0)] = float("-inf")
+        return scores
+
+
+class RowPenalties(LogitsProcessor):
+    """Per-row repetition, presence and frequency penalties, vectorised over the rows that
+    have any. Output counts are kept incrementally (one scatter per step)."""
+
+    def __init__(
+        self, penalties: Sequence[RowPenalty | None], prompt_ids: torch.Tensor, prompt_mask: Any
+    ) -> None:
+        self.rows = [row for row, p in enumerate(penalties) if p is not None]
+        chosen = [p for p in penalties if p is not None]
+        self.repetition = torch.tensor([p.repetition for p in chosen]).unsqueeze(1)
+        self.presence = torch.tensor([p.presence for p in chosen]).unsqueeze(1)
+        self.frequency = torch.tensor([p.frequency for p in chosen]).unsqueeze(1)
+        index = torch.tensor(self.rows, dtype=torch.long)
+        self._prompt = prompt_ids.index_select(0, index.to(prompt_ids.device))
+        self._prompt_mask = prompt_mask.index_select(0, index.to(prompt_mask.device)).bool()
+        self._counts: torch.Tensor | None = None
+        self._in_prompt: torch.Tensor | None = None
+        self.steps = 0
+
+    def _start(self, scores: torch.Tensor) -> None:
+        shape = (len(self.rows), scores.shape[1])
+        self._counts = torch.zeros(shape, device=scores.device)
+        # Padding positions are not prompt tokens: they add 0 (a sum, not a last write).
+        mask = self._prompt_mask.to(scores.device)
+        ids = self._prompt.to(scores.device).masked_fill(~mask, 0)
+        hits = torch.zeros(shape, device=scores.device).scatter_add_(1, ids, mask.float())
+        self._in_prompt = hits > 0
+        self.repetition = self.repetition.to(scores.device)
+        self.presence = self.presence.to(scores.device)
+        self.frequency = self.frequency.to(scores.device)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.rows:
+            return scores
+        index = torch.tensor(self.rows, device=scores.device)
+        if self._counts is None:
+            self._start(scores)
+        assert self._counts is not None and self._in_prompt is not None
+        if self.steps:
+            last = input_ids[:, -1].index_select(0, index).unsqueeze(1)
+            self._counts.scatter_add_(1, last, torch.ones_like(last, dtype=self._counts.dtype))
+        self.steps += 1
+        picked = scores.index_select(0, index).float()
+        seen = self._in_prompt | (self._counts > 0)
+        repeated = torch.where(picked > 0, picked / self.repetition, picked * self.repetition)
+        picked = torch.where(seen, repeated, picked)
+        picked = picked - self.frequency * self._counts - self.presence * (self._counts > 0)
+        scores.index_copy_(0, index, picked.to(scores.dtype))
+        return scores

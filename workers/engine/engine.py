@@ -13,6 +13,7 @@ out-of-memory error halves it and retries.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -21,14 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
-from vlmq.config.schemas import Request, Result, Usage
+from vlmq.config.schemas import Choice, FinishReason, Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.batching import plan_micro_batches
 from vlmq.workers.engine.interface import Collated, OneSlot
 from vlmq.workers.engine.model import LoadedModel, load_model, load_processor, processor_device
 from vlmq.workers.engine.prepare import Prepared, Preparer, video_frame_counts
 from vlmq.workers.engine.processors import ProcessorSet
-from vlmq.workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
+from vlmq.workers.engine.runner import (
+    BatchRunner,
+    Completion,
+    Generated,
+    RowsTooLong,
+    free_device_memory,
+)
 from vlmq.workers.media import MediaLoader
 from vlmq.workers.media.cache import CacheStats
 
@@ -95,6 +102,7 @@ class Engine(OneSlot):
                 self.settings.faults,
                 self.settings.fixed_output_length,
                 processor_device(self.settings, self.loaded.device),
+                self.settings.grammar_cache_size,
             )
             self._preparer = Preparer(
                 self.loaded,
@@ -103,6 +111,7 @@ class Engine(OneSlot):
                 self.loader,
                 self._pool,
                 self.processors,
+                self._runner.grammars,
             )
         return self
 
@@ -286,7 +295,7 @@ class Engine(OneSlot):
         record["timings"]["generate_s"] = round(completion.generate_s, 4)
         record["timings"]["collate_s"] = round(completion.collate_s, 4)
         usage = Usage(
-            prompt_tokens=completion.prompt_tokens, completion_tokens=len(completion.token_ids)
+            prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens
         )
         return Result.model_validate(
             {
@@ -298,5 +307,40 @@ class Engine(OneSlot):
                 "batch_id": completion.batch_id,
                 "batch_size": completion.batch_size,
                 "padding_ratio": completion.padding_ratio,
+                **result_choices(request, completion.choices),
             }
         )
+
+
+def _parsed(text: str, finish_reason: FinishReason) -> Any:
+    """A JSON-constrained completion that finished is JSON by construction; one cut at
+    its token limit may not be (None)."""
+    if finish_reason != FinishReason.STOP:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def result_choices(request: Request, choices: Sequence[Generated]) -> dict[str, Any]:
+    """The result fields about completions beyond ``output``: ``choices`` (with n > 1 or
+    logprobs) and ``parsed`` (with a JSON constraint)."""
+    params = request.generation
+    constraint = params.constraint
+    as_json = constraint is not None and constraint.json
+    fields: dict[str, Any] = {}
+    if as_json:
+        fields["parsed"] = _parsed(choices[0].text, choices[0].finish_reason)
+    if params.wants_choices:
+        fields["choices"] = [
+            Choice(
+                index=i,
+                text=choice.text,
+                finish_reason=choice.finish_reason,
+                logprobs=choice.logprobs,
+                parsed=_parsed(choice.text, choice.finish_reason) if as_json else None,
+            )
+            for i, choice in enumerate(choices)
+        ]
+    return fields

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vlmq.config.errors import (
     InvalidRequest,
@@ -28,6 +28,9 @@ from vlmq.workers.engine.estimate import estimate_prompt_tokens
 from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, image_bytes
+
+if TYPE_CHECKING:
+    from vlmq.workers.engine.constraints import GrammarBook
 
 __all__ = ["Prepared", "Preparer", "visual_downscale"]
 
@@ -47,6 +50,14 @@ class Prepared:
     error: VlmqError | None = None
     timings: dict[str, float] = field(default_factory=dict)
     media_bytes: int = 0  # decoded pixels it holds (the pipeline's prefetch budget)
+    constraint: Any = None  # its compiled constraint (a template matcher), if it has one
+
+    @property
+    def rows(self) -> int:
+        """Rows it takes in a padded batch: one per sampled completion (a greedy request's
+        completions are all the same: one row, copied)."""
+        generation = self.request.generation
+        return generation.completions if generation.sampling else 1
 
 
 def video_content(video: DecodedVideo) -> dict[str, Any]:
@@ -134,8 +145,10 @@ class Preparer:
         loader: MediaLoader,
         pool: Executor,
         processors: ProcessorSet,
+        grammars: GrammarBook | None = None,
     ) -> None:
         self.loaded = loaded
+        self.grammars = grammars
         self.engine = engine
         self.media = media
         self.loader = loader
@@ -157,7 +170,9 @@ class Preparer:
         try:
             self._check_media_counts(request)
             self._check_max_new_tokens(prepared.max_new_tokens)
+            self._check_min_tokens(request, prepared.max_new_tokens)
             self._check_text(request)
+            prepared.constraint = self._compile(request)
             prepared.conversation, sizes = self._decode(request)
             prepared.media_bytes = _media_bytes(prepared.conversation)
             prepared.prompt_tokens = self._estimate(prepared.conversation, *sizes)
@@ -176,6 +191,22 @@ class Preparer:
 
     def _max_new_tokens(self, request: Request) -> int:
         return request.generation.max_new_tokens or self.engine.max_new_tokens_default
+
+    def _compile(self, request: Request) -> Any:
+        """The request's constraint against this model's tokenizer (cached per grammar); a
+        refusal is this request's ``invalid_request``, naming the field."""
+        constraint = request.generation.constraint
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest("this engine does not constrain decoding", field=constraint.field)
+        return self.grammars.compile(constraint)
+
+    def _check_min_tokens(self, request: Request, max_new_tokens: int) -> None:
+        if (request.generation.min_tokens or 0) > max_new_tokens:
+            raise InvalidRequest(
+                f"must be at most max_new_tokens ({max_new_tokens})", field="min_tokens"
+            )
 
     def _check_max_new_tokens(self, value: int) -> None:
         if value > self.engine.max_new_tokens_cap:

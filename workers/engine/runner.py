@@ -1,9 +1,14 @@
 """Predict step: one padded micro-batch through ``processor`` and ``model.generate``.
 
 collate (chat template, left padding; any thread, with that thread's processor) → generate
-(per-row limits, stops, sampling; the model's thread) → trim each prompt →
-``batch_decode(skip_special_tokens=True)``. On CUDA the collated tensors are pinned where
-they were made, so the model thread's host-to-device copy is non-blocking.
+(per-row limits, stops, sampling, penalties, constraints, logprobs; the model's thread) →
+trim each prompt → ``batch_decode(skip_special_tokens=True)``. On CUDA the collated tensors
+are pinned where they were made, so the model thread's host-to-device copy is non-blocking.
+
+A request with ``n`` sampled completions is ``n`` rows of the batch (its conversation
+repeated at collation; the media cache keeps its pixels processed once), each with its own
+seed (``completion_seed``); its rows come back together as one completion with ``n``
+choices. A greedy request's completions are identical: one row, copied.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,8 +27,18 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from vlmq.config.errors import OutOfMemory
 from vlmq.config.schemas import FinishReason, TextPart
 from vlmq.config.settings import EXIT_INJECTED_CRASH, FaultInjection
-from vlmq.workers.engine.controls import RowSampler, RowSampling, RowStopper
+from vlmq.workers.engine.constraints import GrammarBook, RowConstraints
+from vlmq.workers.engine.controls import (
+    RowMinTokens,
+    RowPenalties,
+    RowPenalty,
+    RowSampler,
+    RowSampling,
+    RowStopper,
+    completion_seed,
+)
 from vlmq.workers.engine.interface import Collated
+from vlmq.workers.engine.logprobs import LogprobRecorder, openai_logprobs
 from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.prepare import Prepared
 
@@ -31,18 +46,42 @@ __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory"]
 
 
 @dataclass
-class Completion:
-    """One row of a generated micro-batch."""
+class Generated:
+    """One completion (one row, or a greedy row's copy)."""
 
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: dict[str, Any] | None = None
+
+
+@dataclass
+class Completion:
+    """One request of a generated micro-batch: its completions, first one first."""
+
+    choices: list[Generated]
     prompt_tokens: int
     batch_id: str
     batch_size: int
     padding_ratio: float
     generate_s: float
     collate_s: float = 0.0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.choices[0].finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices)
 
 
 class RowsTooLong(Exception):
@@ -72,13 +111,42 @@ def _is_oom(exc: BaseException) -> bool:
     )
 
 
-def _row_sampling(item: Prepared) -> RowSampling | None:
+@dataclass(frozen=True)
+class _Row:
+    """One row of the padded batch: which item, which of its completions."""
+
+    item: int
+    copy: int
+
+
+def _rows_of(items: Sequence[Prepared]) -> list[_Row]:
+    return [_Row(i, c) for i, item in enumerate(items) for c in range(item.rows)]
+
+
+def _row_sampling(item: Prepared, copy: int) -> RowSampling | None:
     params = item.request.generation
     if not params.sampling:
         return None
     seed = params.seed if params.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
     temperature = 1.0 if params.temperature is None else params.temperature
-    return RowSampling(temperature=temperature, top_p=params.top_p or 1.0, seed=seed)
+    return RowSampling(
+        temperature=temperature, top_p=params.top_p or 1.0, seed=completion_seed(seed, copy)
+    )
+
+
+def _row_penalty(item: Prepared) -> RowPenalty | None:
+    params = item.request.generation
+    penalty = RowPenalty(
+        repetition=params.repetition_penalty or 1.0,
+        presence=params.presence_penalty or 0.0,
+        frequency=params.frequency_penalty or 0.0,
+    )
+    return None if penalty == RowPenalty() else penalty
+
+
+def _top_logprobs(item: Prepared) -> int | None:
+    params = item.request.generation
+    return (params.top_logprobs or 0) if params.logprobs else None
 
 
 class BatchRunner:
@@ -90,6 +158,7 @@ class BatchRunner:
         faults: FaultInjection | None = None,
         fixed_output_length: bool = False,
         processor_device: str | None = None,
+        grammar_cache_size: int = 512,
     ) -> None:
         self.loaded = loaded
         # Where the image and video processors compute (the torchvision ones take a device):
@@ -102,6 +171,13 @@ class BatchRunner:
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {int(i) for i in eos_ids if i is not None} | {int(tokenizer.eos_token_id)}
         self.pad_id = int(tokenizer.pad_token_id)
+        # Constraint masks made during the forward pass: a GPU computes it while the host
+        # waits; on the CPU the host computes it, and overlapping measured slower.
+        self.overlap_masks = loaded.device.startswith("cuda")
+        # The tokenizer's view for constraints and logprob bytes: built once per model.
+        self.grammars = GrammarBook(
+            tokenizer, _vocab_size(loaded.model), self.eos_ids, grammar_cache_size
+        )
 
     def collate(self, items: Sequence[Prepared], processor: Any) -> Collated:
         """One processor call for the whole micro-batch, left padded; pinned on CUDA."""
@@ -116,10 +192,11 @@ class BatchRunner:
         processor_kwargs: dict[str, Any] = {"padding": True}
         if self.processor_device:
             processor_kwargs["device"] = self.processor_device
+        conversations = [items[row.item].conversation for row in _rows_of(items)]
         metadata = [
             part["metadata"]
-            for item in items
-            for message in item.conversation
+            for conversation in conversations
+            for message in conversation
             for part in message["content"]
             if part["type"] == "video"
         ]
@@ -127,7 +204,7 @@ class BatchRunner:
             # Frames are already sampled; the metadata places them in time.
             processor_kwargs |= {"do_sample_frames": False, "video_metadata": metadata}
         return processor.apply_chat_template(
-            [item.conversation for item in items],
+            conversations,
             tokenize=True,
             add_generation_prompt=True,
             return_dict=True,
@@ -142,13 +219,13 @@ class BatchRunner:
         inputs = self._to_device(collated.inputs, non_blocking=collated.pinned)
         started = time.perf_counter()
         try:
-            output, stopper = self._generate(items, inputs)
+            output, stopper, recorder = self._generate(items, inputs)
         except Exception as exc:
             if _is_oom(exc):
                 raise OutOfMemory("the batch did not fit in device memory") from exc
             raise
         elapsed = time.perf_counter() - started
-        completions = self._unbatch(items, inputs, output, stopper, elapsed)
+        completions = self._unbatch(items, inputs, output, (stopper, recorder), elapsed)
         for completion in completions:
             completion.collate_s = collated.collate_s
         return completions
@@ -167,9 +244,14 @@ class BatchRunner:
     def _check_context(self, items: Sequence[Prepared], attention_mask: torch.Tensor) -> None:
         lengths = attention_mask.sum(dim=1).tolist()
         limit = self.loaded.context_length
-        over = [i for i, item in enumerate(items) if lengths[i] + item.max_new_tokens > limit]
+        rows = _rows_of(items)
+        over = {
+            row.item
+            for row, length in zip(rows, lengths, strict=True)
+            if length + items[row.item].max_new_tokens > limit
+        }
         if over:
-            raise RowsTooLong(over)
+            raise RowsTooLong(sorted(over))
 
     def _to_device(self, inputs: Any, non_blocking: bool = False) -> Any:
         model = self.loaded.model
@@ -184,19 +266,20 @@ class BatchRunner:
 
     def _generate(
         self, items: Sequence[Prepared], inputs: dict[str, Any]
-    ) -> tuple[Any, RowStopper]:
+    ) -> tuple[Any, RowStopper, LogprobRecorder]:
         tokenizer = self.loaded.tokenizer
         prompt_length = inputs["input_ids"].shape[1]
+        rows = _rows_of(items)
+        row_items = [items[row.item] for row in rows]
         stopper = RowStopper(
             prompt_length,
-            [item.max_new_tokens for item in items],
-            [item.request.generation.stop for item in items],
+            [item.max_new_tokens for item in row_items],
+            [item.request.generation.stop for item in row_items],
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            [item.request.generation.min_tokens or 0 for item in row_items],
         )
-        processors = LogitsProcessorList()
-        sampling = [_row_sampling(item) for item in items]
-        if any(sampling):
-            processors.append(RowSampler(sampling))
+        recorder = LogprobRecorder([_top_logprobs(item) for item in row_items])
+        processors = self._processors(rows, row_items, inputs, recorder)
         longest = max(item.max_new_tokens for item in items)
         with torch.inference_mode():
             output = self.loaded.model.generate(
@@ -207,54 +290,134 @@ class BatchRunner:
                 temperature=None,
                 top_p=None,
                 top_k=None,
+                # Penalties are per row (RowPenalties): none from the checkpoint's defaults.
+                repetition_penalty=None,
                 logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([stopper]),
                 pad_token_id=self.pad_id,
                 eos_token_id=sorted(self.eos_ids),
             )
-        return output, stopper
+        return output, stopper, recorder
+
+    def _processors(
+        self,
+        rows: list[_Row],
+        row_items: list[Prepared],
+        inputs: dict[str, Any],
+        recorder: LogprobRecorder,
+    ) -> LogitsProcessorList:
+        """The per-row controls the batch needs, in the order the module docstring of
+        controls.py gives (logprobs see raw logits; the sampler picks last)."""
+        processors = LogitsProcessorList()
+        if recorder.rows:
+            processors.append(recorder)
+        penalties = [_row_penalty(item) for item in row_items]
+        if any(penalties):
+            mask = inputs["attention_mask"]
+            processors.append(RowPenalties(penalties, inputs["input_ids"], mask))
+        min_tokens = [item.request.generation.min_tokens or 0 for item in row_items]
+        if any(min_tokens) and not self.fixed_output_length:
+            processors.append(RowMinTokens(min_tokens, self.eos_ids))
+        constraints = None
+        if any(item.constraint is not None for item in row_items):
+            matchers = [
+                self.grammars.matcher(item.constraint) if item.constraint is not None else None
+                for item in row_items
+            ]
+            constraints = RowConstraints(
+                matchers,
+                self.grammars,
+                guard_empty=any(min_tokens),
+                overlap=self.overlap_masks,
+            )
+            processors.append(constraints)
+        sampling = [
+            _row_sampling(item, row.copy) for row, item in zip(rows, row_items, strict=True)
+        ]
+        if any(sampling):
+            processors.append(RowSampler(sampling))
+        if constraints is not None and constraints.committer is not None:
+            processors.append(constraints.committer)  # last: it sees the step's final logits
+        return processors
 
     def _unbatch(
         self,
         items: Sequence[Prepared],
         inputs: dict[str, Any],
         output: torch.Tensor,
-        stopper: RowStopper,
+        controls: tuple[RowStopper, LogprobRecorder],
         elapsed: float,
     ) -> list[Completion]:
+        stopper, recorder = controls
         mask = inputs["attention_mask"]
         prompt_length = mask.shape[1]
         padding_ratio = float(mask.sum()) / float(mask.numel())
         prompt_tokens = mask.sum(dim=1).tolist()
-        rows = [
-            self._trim(output[i, prompt_length:].tolist(), self._row_limit(i, items, stopper))
-            for i in range(len(items))
+        rows = _rows_of(items)
+        generated = output[:, prompt_length:]
+        trimmed = [
+            self._trim(generated[r].tolist(), self._row_limit(r, items[row.item], stopper))
+            for r, row in enumerate(rows)
         ]
         texts = self.loaded.tokenizer.batch_decode(
-            [ids for ids, _ in rows], skip_special_tokens=True
+            [ids for ids, _ in trimmed], skip_special_tokens=True
         )
-        batch_id = uuid.uuid4().hex[:12]
-        completions = []
-        for i, ((ids, hit_eos), text) in enumerate(zip(rows, texts, strict=True)):
-            text, hit_stop = _cut_at_stop(text, items[i].request.generation.stop)
-            stopped = hit_eos or hit_stop or i in stopper.stopped_at
-            completions.append(
-                Completion(
-                    token_ids=ids,
-                    text=text,
-                    finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
-                    prompt_tokens=int(prompt_tokens[i]),
-                    batch_id=batch_id,
-                    batch_size=len(items),
-                    padding_ratio=round(padding_ratio, 4),
-                    generate_s=elapsed,
+        logprobs = recorder.finish(generated)
+        choices: list[list[Generated]] = [[] for _ in items]
+        for r, row in enumerate(rows):
+            ids, hit_eos = trimmed[r]
+            choices[row.item].append(
+                self._choice(
+                    items[row.item],
+                    ids,
+                    texts[r],
+                    hit_eos or r in stopper.stopped_at,
+                    logprobs.get(r),
                 )
             )
-        return completions
+        batch_id = uuid.uuid4().hex[:12]
+        first_row = {row.item: r for r, row in reversed(list(enumerate(rows)))}
+        return [
+            Completion(
+                choices=_all_choices(item, choices[i]),
+                prompt_tokens=int(prompt_tokens[first_row[i]]),
+                batch_id=batch_id,
+                batch_size=len(items),
+                padding_ratio=round(padding_ratio, 4),
+                generate_s=elapsed,
+            )
+            for i, item in enumerate(items)
+        ]
+
+    def _choice(
+        self,
+        item: Prepared,
+        ids: list[int],
+        text: str,
+        stopped: bool,
+        steps: list[dict[str, Any]] | None,
+    ) -> Generated:
+        params = item.request.generation
+        # A stop string inside the first min_tokens tokens does not count (as in vLLM).
+        floor = len(self._decode(ids[: params.min_tokens])) if params.min_tokens else 0
+        text, hit_stop = _cut_at_stop(text, params.stop, floor)
+        logprobs = openai_logprobs(self._token_bytes, ids, steps) if steps is not None else None
+        return Generated(
+            token_ids=ids,
+            text=text,
+            finish_reason=FinishReason.STOP if stopped or hit_stop else FinishReason.LENGTH,
+            logprobs=logprobs,
+        )
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.loaded.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        return bytes(self.grammars.tokenizer.decode_bytes([token_id]))
 
     @staticmethod
-    def _row_limit(row: int, items: Sequence[Prepared], stopper: RowStopper) -> int:
-        return stopper.stopped_at.get(row, items[row].max_new_tokens)
+    def _row_limit(row: int, item: Prepared, stopper: RowStopper) -> int:
+        return stopper.stopped_at.get(row, item.max_new_tokens)
 
     def _trim(self, generated: list[int], limit: int) -> tuple[list[int], bool]:
         """This row's own tokens: up to its EOS (kept) or its own limit."""
@@ -271,11 +434,24 @@ def _text_of(item: Prepared) -> str:
     )
 
 
-def _cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    positions = [text.find(stop) for stop in stops if stop in text]
+def _cut_at_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[str, bool]:
+    positions = [p for p in (text.find(stop, start) for stop in stops) if p >= 0]
     if not positions:
         return text, False
     return text[: min(positions)], True
+
+
+def _all_choices(item: Prepared, choices: list[Generated]) -> list[Generated]:
+    """A greedy request ran one row for its ``n`` identical completions: copy it."""
+    wanted = item.request.generation.completions
+    if len(choices) < wanted:
+        choices = choices + [replace(choices[0]) for _ in range(wanted - len(choices))]
+    return choices
+
+
+def _vocab_size(model: Any) -> int:
+    """The logits' width (the output embedding's rows): what a bitmask must cover."""
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 def _pinned(value: Any) -> Any:

@@ -376,7 +376,9 @@ class BatchRunner:
                 )
             )
         batch_id = uuid.uuid4().hex[:12]
-        first_row = {row.item: r for r, row in reversed(list(enumerate(rows)))}
+        first_row: dict[int, int] = {}  # item -> its first row (the prompt is the same)
+        for r, row in enumerate(rows):
+            first_row.setdefault(row.item, r)
         return [
             Completion(
                 choices=_all_choices(item, choices[i]),

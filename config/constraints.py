@@ -78,7 +78,8 @@ def _validate(grammar: str, field: str) -> None:
 def json_schema_grammar(schema: Any, field: str = "response_format.json_schema.schema") -> str:
     if not isinstance(schema, dict):
         raise ConstraintError(field, "must be a JSON object (a JSON Schema)")
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # Property order is generation order (as in OpenAI's structured outputs): keep the schema's.
+    text = json.dumps(schema, separators=(",", ":"))
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ConstraintError(field, f"is over {MAX_GRAMMAR_CHARS} characters as JSON")
     return _schema_grammar(text, field)

@@ -19,6 +19,7 @@ __all__ = [
     "MediaSettings",
     "MetricsSettings",
     "Settings",
+    "VllmSettings",
     "WebhookSettings",
     "WorkerSettings",
 ]
@@ -121,9 +122,33 @@ class FaultInjection(BaseModel):
     heartbeat_error_at: int | None = Field(None, ge=1)
 
 
+class VllmSettings(BaseModel):
+    """The vLLM engine's own settings (``VLMQ_ENGINE__BACKEND=vllm``; docs/engines.md)."""
+
+    # Prompt plus output tokens per sequence (vLLM sizes its KV cache and encoder budget by it).
+    max_model_len: int = Field(8192, ge=64)
+    # Share of the GPU's memory vLLM may take (weights, activations, KV cache).
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    # Sequences decoded together at most (vLLM's max_num_seqs): the engine's own batch.
+    max_num_seqs: int = Field(64, ge=1)
+    # Reuse the KV cache of a shared prompt prefix, images included (vLLM hashes them).
+    enable_prefix_caching: bool = True
+    # vLLM's cache of processed images and videos, per engine process (GiB; 0 turns it off).
+    mm_processor_cache_gb: float = Field(4.0, ge=0)
+    # CUDA graphs off: slower decoding, faster start (always on for the CPU build).
+    enforce_eager: bool = False
+    # CPU build only: GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    cpu_kv_cache_gib: int = Field(1, ge=1)
+
+
 class EngineSettings(BaseModel):
     """How the model is loaded and how batches are cut."""
 
+    # hf: transformers' padded generate (the default and the reference); vllm: vLLM's engine
+    # with continuous batching (the extra vlmq[vllm]; docs/engines.md).
+    backend: str = Field("hf", pattern="^(hf|vllm)$")
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     attn_implementation: str = "auto"  # auto (flash_attention_2 if importable, else sdpa)

@@ -105,6 +105,13 @@ def _write_chunk(engine: Any, chunk: list[ParsedLine], out: IO[str], base: Path)
     show_default=True,
     help="Requests read ahead and batched together.",
 )
+@click.option(
+    "--engine",
+    "backend",
+    type=click.Choice(["hf", "vllm"]),
+    default=None,
+    help="hf: transformers (default); vllm: vLLM [VLMQ_ENGINE__BACKEND].",
+)
 def run(
     input_path: Path,
     output_path: Path,
@@ -112,13 +119,14 @@ def run(
     max_batch_size: int | None,
     token_budget: int | None,
     chunk_size: int,
+    backend: str | None,
 ) -> None:
     """Run a JSONL file through the engine in-process (no Redis, no S3), like vllm run-batch.
 
     Each output line carries custom_id, status, output or error, and usage. A bad
     input line becomes an error record; the run goes on.
     """
-    from vlmq.workers.engine import Engine
+    from vlmq.workers.engine import engine_for_backend
 
     settings = Settings()
     engine_settings = settings.engine.model_copy(
@@ -131,7 +139,8 @@ def run(
     # Local media may be read from the input file's folder and the working directory.
     roots = [*settings.media.local_roots, str(input_path.resolve().parent), str(Path.cwd())]
     media = settings.media.model_copy(update={"local_roots": roots})
-    engine = Engine(model or settings.model, engine_settings, media).setup()
+    backend = backend or settings.engine.backend
+    engine = engine_for_backend(backend, model or settings.model, engine_settings, media).setup()
     started = time.perf_counter()
     ok = failed = 0
     with input_path.open(encoding="utf-8") as lines, output_path.open("w", encoding="utf-8") as out:
@@ -150,12 +159,15 @@ def _engine_for(kind: str, settings: Settings, noop_delay_s: float, simulate: st
         from vlmq.workers.testing.noop import NoopEngine
 
         return NoopEngine(noop_delay_s, crash_marker=settings.engine.faults.crash_marker)
-    from vlmq.workers.engine import Engine
+    from vlmq.workers.engine import engine_for_backend
     from vlmq.workers.media.fleet import fleet_loader
 
     # The fleet's media allowlist includes the staging location producers upload to.
     loader = fleet_loader(settings)
-    engine = Engine(settings.model, settings.engine, loader.settings, loader=loader)
+    backend = "vllm" if kind == "vllm" else "hf"
+    engine = engine_for_backend(
+        backend, settings.model, settings.engine, loader.settings, loader=loader
+    )
     if kind == "simulated":
         from vlmq.workers.testing.noop import SimulatedAccelerator
 
@@ -177,10 +189,10 @@ def _engine_for(kind: str, settings: Settings, noop_delay_s: float, simulate: st
 @click.option(
     "--engine",
     "engine_kind",
-    type=click.Choice(["hf", "noop", "simulated"]),
-    default="hf",
-    show_default=True,
-    help="noop: no inference (queue benchmarks, fault tests); simulated: the real media and "
+    type=click.Choice(["hf", "vllm", "noop", "simulated"]),
+    default=None,
+    help="hf: transformers (default); vllm: vLLM, continuous batching [VLMQ_ENGINE__BACKEND]; "
+    "noop: no inference (queue benchmarks, fault tests); simulated: the real media and "
     "processor work, generate replaced by a sleep (pipeline benchmarks).",
 )
 @click.option("--noop-delay", type=float, default=0.0, help="Seconds a noop batch takes.")
@@ -200,7 +212,7 @@ def worker(
     modality: str,
     model: str | None,
     name: str | None,
-    engine_kind: str,
+    engine_kind: str | None,
     noop_delay: float,
     simulate: str,
     celery: bool,
@@ -215,8 +227,9 @@ def worker(
     unknown = set(modalities) - {"text", "image", "video"}
     if unknown or not modalities:
         raise click.BadParameter(f"unknown modality {sorted(unknown)}", param_hint="--modality")
+    kind = engine_kind or settings.engine.backend
     service = WorkerService(
-        settings, modalities, _engine_for(engine_kind, settings, noop_delay, simulate), name=name
+        settings, modalities, _engine_for(kind, settings, noop_delay, simulate), name=name
     ).setup()
     if celery:
         _run_in_celery(settings, service)

@@ -22,13 +22,14 @@ constraints, sampler; so a sampled token obeys the constraint and its logprob is
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
+
+from vlmq.workers.engine.completions import completion_seed
 
 __all__ = [
     "RowMinTokens",
@@ -49,16 +50,6 @@ class RowSampling:
     temperature: float
     top_p: float
     seed: int
-
-
-def completion_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of a request seeded ``seed``: the first keeps the
-    request's seed (n=1 is unchanged), the others get their own stream, so completion i is
-    reproducible whatever else runs beside it."""
-    if index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(frozen=True)

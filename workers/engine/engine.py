@@ -13,7 +13,6 @@ out-of-memory error halves it and retries.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -22,20 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
-from vlmq.config.schemas import Choice, FinishReason, Request, Result, Usage
+from vlmq.config.schemas import Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.batching import plan_micro_batches
+from vlmq.workers.engine.completions import result_choices
 from vlmq.workers.engine.interface import Collated, OneSlot
 from vlmq.workers.engine.model import LoadedModel, load_model, load_processor, processor_device
 from vlmq.workers.engine.prepare import Prepared, Preparer, video_frame_counts
 from vlmq.workers.engine.processors import ProcessorSet
-from vlmq.workers.engine.runner import (
-    BatchRunner,
-    Completion,
-    Generated,
-    RowsTooLong,
-    free_device_memory,
-)
+from vlmq.workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
 from vlmq.workers.media import MediaLoader
 from vlmq.workers.media.cache import CacheStats
 
@@ -310,37 +304,3 @@ class Engine(OneSlot):
                 **result_choices(request, completion.choices),
             }
         )
-
-
-def _parsed(text: str, finish_reason: FinishReason) -> Any:
-    """A JSON-constrained completion that finished is JSON by construction; one cut at
-    its token limit may not be (None)."""
-    if finish_reason != FinishReason.STOP:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def result_choices(request: Request, choices: Sequence[Generated]) -> dict[str, Any]:
-    """The result fields about completions beyond ``output``: ``choices`` (with n > 1 or
-    logprobs) and ``parsed`` (with a JSON constraint)."""
-    params = request.generation
-    constraint = params.constraint
-    as_json = constraint is not None and constraint.json
-    fields: dict[str, Any] = {}
-    if as_json:
-        fields["parsed"] = _parsed(choices[0].text, choices[0].finish_reason)
-    if params.wants_choices:
-        fields["choices"] = [
-            Choice(
-                index=i,
-                text=choice.text,
-                finish_reason=choice.finish_reason,
-                logprobs=choice.logprobs,
-                parsed=_parsed(choice.text, choice.finish_reason) if as_json else None,
-            )
-            for i, choice in enumerate(choices)
-        ]
-    return fields

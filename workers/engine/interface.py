@@ -20,12 +20,19 @@ from vlmq.workers.engine.prepare import Prepared
 
 __all__ = [
     "Collated",
+    "EngineDied",
     "GenerationEngine",
     "OneSlot",
     "RunOnlyEngine",
     "RunsBatches",
     "as_generation_engine",
 ]
+
+
+class EngineDied(RuntimeError):
+    """The engine is gone (vLLM's engine process died): nothing it held will finish. Raised
+    out of the batch loop, so the worker exits and the fleet redelivers its leases; a request
+    that kills the engine each time is isolated by the fleet's poison handling."""
 
 
 @dataclass

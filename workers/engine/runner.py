@@ -27,6 +27,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from vlmq.config.errors import OutOfMemory
 from vlmq.config.schemas import FinishReason, TextPart
 from vlmq.config.settings import EXIT_INJECTED_CRASH, FaultInjection
+from vlmq.workers.engine.completions import Generated
 from vlmq.workers.engine.constraints import GrammarBook, RowConstraints
 from vlmq.workers.engine.controls import (
     RowMinTokens,
@@ -43,16 +44,6 @@ from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.prepare import Prepared
 
 __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory"]
-
-
-@dataclass
-class Generated:
-    """One completion (one row, or a greedy row's copy)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    logprobs: dict[str, Any] | None = None
 
 
 @dataclass

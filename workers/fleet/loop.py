@@ -30,7 +30,7 @@ from vlmq.config.queues import queue_depth
 from vlmq.config.schemas import Result
 from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
 from vlmq.config.statusdb import StatusDB
-from vlmq.workers.engine.interface import Collated, GenerationEngine
+from vlmq.workers.engine.interface import Collated, EngineDied, GenerationEngine
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.intake import Held, Intake, Leases, Pull
@@ -41,7 +41,7 @@ from vlmq.workers.fleet.stages import Backoff, Job, Planned, StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.work import Work, failed_result, result_settlement
 
-__all__ = ["BatchLoop", "LoopParts"]
+__all__ = ["BatchLoop", "Begun", "LoopParts"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,18 @@ class LoopParts:
     prepare_pool: ThreadPoolExecutor
     collate_pool: ThreadPoolExecutor
     clock: StageClock
+
+
+@dataclass
+class Begun:
+    """A micro-batch started (its works running) and handed to the engine."""
+
+    planned: Planned
+    works: list[Work]
+    collated: Collated
+    batch_id: str
+    modality: str
+    waited: float
 
 
 class BatchLoop:
@@ -149,7 +161,13 @@ class BatchLoop:
             self.stop_event,
             idle,
         ).start()
-        self._repeat(self._generate_next)
+        if getattr(self.engine, "continuous", False):
+            # An engine that takes requests while others decode is kept full (vLLM).
+            from vlmq.workers.fleet.continuous import ContinuousFeed
+
+            self._repeat(ContinuousFeed(self, self.pipeline).step)
+        else:
+            self._repeat(self._generate_next)
 
     def _repeat(self, step: Callable[[], bool]) -> None:
         """Run ``step`` until stopped, backing off while it finds nothing to do."""
@@ -324,6 +342,18 @@ class BatchLoop:
             raise
 
     def _generate(self, planned: Planned) -> None:
+        begun = self.begin(planned)
+        if begun is None:
+            return
+        with log_context(worker=self.worker, batch_id=begun.batch_id):
+            log.info("batch %s: %d %s requests", begun.batch_id, len(begun.works), begun.modality)
+            results = self._run_engine(begun.collated, begun.works)
+        self.settle(begun, results)
+        self.batches_done += 1
+
+    def begin(self, planned: Planned) -> Begun | None:
+        """Start a micro-batch (→ running, fenced; one attempt each) right before it goes into
+        the engine; None when none of it is still to run."""
         parts = self.parts
         if planned.suspect and not parts.settler.drain(self.fleet.suspect_drain_timeout_s):
             # Settle batch-mates before a risky run; the wait has its own bound, apart from
@@ -332,7 +362,7 @@ class BatchLoop:
         collated = self._collated(planned)
         started = parts.triage.start(planned.works)
         if not started:
-            return
+            return None
         if len(started) < len(planned.works):  # some were cancelled while they waited
             running = {w.task_id for w in started}
             kept = [
@@ -341,28 +371,34 @@ class BatchLoop:
                 if w.task_id in running
             ]
             collated = self._collate(kept, self.policies[planned.job.modality].token_budget)
-        batch_id = uuid.uuid4().hex[:12]
         modality = planned.job.modality
         redelivered = sum(1 for w in started if w.token > 1)
         max_size = self.policies[modality].max_batch_size
         parts.observer.batch(modality, len(started), max_size, redelivered)
         # From planned to generating: collation and the wait for the model.
         waited = round(time.monotonic() - planned.ready_at, 4)
-        with log_context(worker=self.worker, batch_id=batch_id):
-            log.info("batch %s: %d %s requests", batch_id, len(started), modality)
-            results = {r.id: r for r in self._run_engine(collated, started)}
+        return Begun(planned, started, collated, uuid.uuid4().hex[:12], modality, waited)
+
+    def settle(self, begun: Begun, results: list[Result], every: bool = True) -> list[Work]:
+        """Settle the results of a begun micro-batch; with ``every``, the works without a
+        result fail (the engine lost them). The works settled."""
+        by_id = {r.id: r for r in results}
         settlements = []
-        for work in started:
-            missing = RuntimeError("the engine returned no result")
-            result = results.get(work.task_id) or failed_result(
-                work.requested, missing, self.engine.model_name
-            )
+        done = []
+        for work in begun.works:
+            result = by_id.get(work.task_id)
+            if result is None:
+                if not every:
+                    continue
+                missing = RuntimeError("the engine returned no result")
+                result = failed_result(work.requested, missing, self.engine.model_name)
             settlement = result_settlement(work, result, self.worker)
-            settlement.record["timings"]["wait_s"] = waited
+            settlement.record["timings"]["wait_s"] = begun.waited
             settlements.append(settlement)
+            done.append(work)
             self._report(settlement.record)
-        parts.settler.submit_many(settlements)
-        self.batches_done += 1
+        self.parts.settler.submit_many(settlements)
+        return done
 
     def _collated(self, planned: Planned) -> Collated:
         """The micro-batch's collated inputs; when collating raised (the HF engine never
@@ -386,7 +422,14 @@ class BatchLoop:
         try:
             with self.parts.clock.timing("generate"):
                 self.engine.submit(collated)
-                return self.engine.poll(self.worker)
+                results = self.engine.poll(self.worker)
+                # An engine that returns requests as they finish (vLLM) is polled until this
+                # micro-batch is through.
+                while len(results) < len(started) and _pending(self.engine) > 0:
+                    results += self.engine.poll(self.worker)
+                return results
+        except EngineDied:
+            raise  # out of the loop: the worker exits, its leases are redelivered
         except Exception as exc:
             log.exception("engine failed on a batch of %d", len(started))
             return [failed_result(w.requested, exc, self.engine.model_name) for w in started]
@@ -434,3 +477,9 @@ class BatchLoop:
         parts.settler.close()
         parts.housekeeper.close()
         parts.observer.close()
+
+
+def _pending(engine: Any) -> int:
+    """Requests a continuous engine (vLLM) still holds; 0 for engines that return a whole
+    micro-batch from one poll."""
+    return int(getattr(engine, "pending", 0))

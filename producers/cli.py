@@ -8,10 +8,12 @@ load the worker package when they are invoked.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import click
 
+from vlmq.config.errors import ConfigError
 from vlmq.config.logs import LOG_FORMATS, configure_logging
 
 __all__ = ["cli", "main"]
@@ -69,4 +71,8 @@ def cli(log_level: str, log_format: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    return cli.main(args=argv, prog_name="vlmq")
+    try:
+        return cli.main(args=argv, prog_name="vlmq")
+    except ConfigError as exc:  # a setting or install that cannot work: say which, no trace
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(2)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vlmq.config.schemas import Choice, FinishReason, Request
 
-__all__ = ["Generated", "completion_seed", "parsed_json", "result_choices"]
+__all__ = ["Generated", "completion_seed", "logprob_entry", "parsed_json", "result_choices"]
 
 
 @dataclass
@@ -68,3 +68,13 @@ def completion_seed(seed: int, index: int) -> int:
         return seed
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def logprob_entry(
+    token_bytes: Callable[[int], bytes], token_id: int, logprob: float
+) -> dict[str, Any]:
+    """One token of OpenAI's ``logprobs.content``: its text, logprob and exact bytes. A
+    byte-level token can be part of one UTF-8 character: ``bytes`` is exact, ``token`` shows
+    what decodes."""
+    raw = token_bytes(int(token_id))
+    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}

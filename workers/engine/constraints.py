@@ -50,6 +50,8 @@ class GrammarBook:
 
         self._llguidance = llguidance
         self.vocab_size = vocab_size
+        # The logits may be wider than the tokenizer (padded rows): those ids are no token.
+        self.tokenizer_size = len(tokenizer)
         self.eos_ids = sorted(eos_ids)
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids
@@ -105,6 +107,13 @@ class GrammarBook:
     def matcher(self, template: Any) -> Any:
         """A fresh matcher for one row."""
         return template.deep_copy()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's exact bytes (a byte-level token may be part of one UTF-8 character;
+        a special token is its text); none for an id past the tokenizer (a padded logit)."""
+        if not 0 <= token_id < self.tokenizer_size:
+            return b""
+        return bytes(self.tokenizer.decode_bytes([token_id]))
 
 
 def _reason(error: str) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from vlmq.workers.engine.completions import logprob_entry
+
 __all__ = ["LogprobRecorder", "openai_logprobs"]
 
 
@@ -73,13 +75,6 @@ class LogprobRecorder(LogitsProcessor):
         return out
 
 
-def _entry(token_bytes: Callable[[int], bytes], token_id: int, logprob: float) -> dict[str, Any]:
-    raw = token_bytes(int(token_id))
-    # A byte-level token can be part of one UTF-8 character: ``bytes`` is exact, ``token``
-    # shows what decodes.
-    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-
-
 def openai_logprobs(
     token_bytes: Callable[[int], bytes],
     token_ids: Sequence[int],
@@ -89,7 +84,7 @@ def openai_logprobs(
     for the row's own tokens (its trimmed length)."""
     content = []
     for token_id, step in zip(token_ids, steps, strict=False):
-        entry = _entry(token_bytes, token_id, step["logprob"])
-        entry["top_logprobs"] = [_entry(token_bytes, i, lp) for i, lp in step["top"]]
+        entry = logprob_entry(token_bytes, token_id, step["logprob"])
+        entry["top_logprobs"] = [logprob_entry(token_bytes, i, lp) for i, lp in step["top"]]
         content.append(entry)
     return {"content": content}

@@ -406,7 +406,7 @@ class BatchRunner:
         return str(self.loaded.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _token_bytes(self, token_id: int) -> bytes:
-        return bytes(self.grammars.tokenizer.decode_bytes([token_id]))
+        return self.grammars.token_bytes(token_id)
 
     @staticmethod
     def _row_limit(row: int, item: Prepared, stopper: RowStopper) -> int:

@@ -22,17 +22,22 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlmq.config.constraints import Constraint
-from vlmq.config.errors import InvalidRequest, VlmqError
+from vlmq.config.errors import ConfigError, InvalidRequest, VlmqError
 from vlmq.config.schemas import MAX_TOP_LOGPROBS, FinishReason, Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.batching import plan_micro_batches
-from vlmq.workers.engine.completions import Generated, completion_seed, result_choices
+from vlmq.workers.engine.completions import (
+    Generated,
+    completion_seed,
+    logprob_entry,
+    result_choices,
+)
 from vlmq.workers.engine.interface import Collated, EngineDied
 from vlmq.workers.engine.model import LoadedModel, detect_family, load_processor
 from vlmq.workers.engine.prepare import Prepared, Preparer
@@ -171,6 +176,7 @@ class VllmEngine:
         self.processors = ProcessorSet(
             processor, lambda: load_processor(self.model_name, self.settings), self.loader.cache
         )
+        self._book = self._grammars(config, processor)
         self._preparer = Preparer(
             self.loaded,
             self.settings,
@@ -178,7 +184,7 @@ class VllmEngine:
             self.loader,
             self._pool,
             self.processors,
-            _CheckedForVllm(self._grammars(config, processor)),  # type: ignore[arg-type]
+            _CheckedForVllm(self._book),  # type: ignore[arg-type]
         )
         self._llm = self._start()
         threading.Thread(target=self._watch, name="vllm-watch", daemon=True).start()
@@ -222,8 +228,14 @@ class VllmEngine:
         return "bfloat16" if torch.cuda.is_available() else "float32"
 
     def _start(self) -> Any:
-        from vllm import EngineArgs, LLMEngine
-        from vllm.config import StructuredOutputsConfig
+        try:
+            from vllm import EngineArgs, LLMEngine
+            from vllm.config import StructuredOutputsConfig
+        except ImportError as exc:
+            raise ConfigError(
+                "--engine vllm needs the vllm package: pip install 'vlmq[vllm]' on a GPU, "
+                "or `make setup-vllm` for the CPU build (docs/engines.md)"
+            ) from exc
 
         settings = self.settings.vllm
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
@@ -323,6 +335,9 @@ class VllmEngine:
             item.request, item.max_new_tokens, self.settings.fixed_output_length
         )
         count = fields.pop("n")
+        # The HF engine's end of a row: any of the model's EOS ids (the generation config's
+        # and the tokenizer's), so both engines stop, and hold back min_tokens, alike.
+        fields["stop_token_ids"] = list(self._book.eos_ids)
         structured = fields.pop("structured_outputs", None)
         if structured is not None:
             fields["structured_outputs"] = StructuredOutputsParams(**structured)
@@ -451,42 +466,33 @@ class VllmEngine:
         record.update(result_choices(request, generated))
         return Result.model_validate(record)
 
-    def _token_bytes(self, token: str) -> list[int]:
-        return list(token.encode("utf-8"))
+    def _token_bytes(self, token_id: int) -> bytes:
+        return bytes(self._book.token_bytes(token_id))
 
 
 def _finish(completion: Any) -> FinishReason:
     return FinishReason.LENGTH if completion.finish_reason == "length" else FinishReason.STOP
 
 
-def _logprobs(completion: Any, top: int, token_bytes: Any) -> dict[str, Any] | None:
+def _logprobs(
+    completion: Any, top: int, token_bytes: Callable[[int], bytes]
+) -> dict[str, Any] | None:
     """vLLM's per-step logprob dicts (the chosen token, plus the top ``top`` by rank) in
-    OpenAI's chat shape."""
+    OpenAI's chat shape; token text and bytes as the HF engine gives them (from the token ids,
+    not vLLM's incremental detokenizer, which leaves a partial UTF-8 character empty)."""
     if completion.logprobs is None:
         return None
     content = []
     for token_id, step in zip(completion.token_ids, completion.logprobs, strict=False):
-        chosen = step[token_id]
-        alternatives = sorted(
-            (lp for lp in step.values() if lp.rank is not None and 1 <= lp.rank <= top),
-            key=lambda lp: lp.rank,
+        ranked = sorted(
+            ((tid, lp) for tid, lp in step.items() if lp.rank is not None and 1 <= lp.rank <= top),
+            key=lambda pair: pair[1].rank,
         )
-        token = chosen.decoded_token or ""
-        content.append(
-            {
-                "token": token,
-                "logprob": float(chosen.logprob),
-                "bytes": token_bytes(token),
-                "top_logprobs": [
-                    {
-                        "token": alt.decoded_token or "",
-                        "logprob": float(alt.logprob),
-                        "bytes": token_bytes(alt.decoded_token or ""),
-                    }
-                    for alt in alternatives
-                ],
-            }
-        )
+        entry = logprob_entry(token_bytes, token_id, float(step[token_id].logprob))
+        entry["top_logprobs"] = [
+            logprob_entry(token_bytes, tid, float(lp.logprob)) for tid, lp in ranked
+        ]
+        content.append(entry)
     return {"content": content}
 
 

@@ -10,6 +10,11 @@ batching). On CPU this shows the wiring and the start cost, not what vLLM is for
 (paged KV cache, continuous batching, CUDA graphs) are GPU gains.
 
     python -m bench.engines [--family qwen2_5_vl] [--n 32] [--new-tokens 16]
+
+On a GPU machine (``bash bench/gpu.sh --engines``): ``--size real`` (real-dimension random
+checkpoints, bf16) and ``--vllm-python`` the interpreter that has vllm (the same one when it is
+installed next to vlmq); the HF side also reports its GPU-busy fraction (time inside
+``generate`` over wall time). A vLLM side that cannot import vllm is skipped, and said so.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ def _side(backend: str, model: str, requests_path: Path, new_tokens: int) -> dic
     for modality in MODALITIES:
         requests = [Request.model_validate(line) for line in lines[modality]]
         engine.run(requests[:2])  # warm
+        stats = getattr(engine, "stats", None)
+        if stats is not None:
+            stats.generate_s = 0.0
         began = time.perf_counter()
         results = engine.run(requests)
         elapsed = time.perf_counter() - began
@@ -65,10 +73,18 @@ def _side(backend: str, model: str, requests_path: Path, new_tokens: int) -> dic
         report[modality] = {
             "req_s": len(results) / elapsed,
             "tok_s": tokens / elapsed,
+            "busy": _busy(engine, elapsed),
             "outputs": [r.output for r in results],
         }
     engine.close()
     return report
+
+
+def _busy(engine: Any, elapsed: float) -> float | None:
+    """The HF engine's model-busy fraction (time inside generate / wall); None for vLLM,
+    whose engine process keeps its own clock."""
+    stats = getattr(engine, "stats", None)
+    return stats.generate_s / elapsed if stats is not None and elapsed > 0 else None
 
 
 def _run_side(python: Path, backend: str, model: Path, requests_path: Path, args: Any) -> Any:
@@ -96,6 +112,16 @@ def _run_side(python: Path, backend: str, model: Path, requests_path: Path, args
     return report
 
 
+def _vllm_missing(python: Path) -> str | None:
+    """Why the vLLM side cannot run with this interpreter, or None."""
+    if not python.exists():
+        return f"{python} does not exist (run `make setup-vllm`)"
+    found = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True)
+    if found.returncode != 0:
+        return f"{python} cannot import vllm: {found.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
 def _workload(folder: Path, n: int) -> Path:
     from bench.common import workload
 
@@ -113,6 +139,10 @@ def main() -> None:
     parser.add_argument("--family", default="qwen2_5_vl")
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--size", default="small", help="checkpoint size: small, or real (GPU)")
+    parser.add_argument(
+        "--vllm-python", type=Path, default=VLLM_PYTHON, help="an interpreter that has vllm"
+    )
     parser.add_argument("--side", choices=["hf", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=Path, help=argparse.SUPPRESS)
@@ -122,18 +152,19 @@ def main() -> None:
         report = _side(args.side, args.model, args.requests, args.new_tokens)
         args.out.write_text(json.dumps(report))
         return
-    if not VLLM_PYTHON.exists():
-        sys.exit("no vLLM environment: run `make setup-vllm`")
     from bench.common import machine
     from vlmq.workers.testing.tiny import build_tiny_model
 
     folder = Path(tempfile.mkdtemp())
-    model = build_tiny_model(folder / "model", args.family, "small")
+    dtype = "bfloat16" if args.size == "real" else "float32"
+    model = build_tiny_model(folder / "model", args.family, args.size, dtype=dtype)
     requests_path = _workload(folder, args.n)
-    reports = [
-        _run_side(Path(sys.executable), "hf", model, requests_path, args),
-        _run_side(VLLM_PYTHON, "vllm", model, requests_path, args),
-    ]
+    reports = [_run_side(Path(sys.executable), "hf", model, requests_path, args)]
+    skipped = _vllm_missing(args.vllm_python)
+    if skipped:
+        print(f"vLLM side skipped: {skipped}")
+    else:
+        reports.append(_run_side(args.vllm_python, "vllm", model, requests_path, args))
     print(f"Machine: {machine()}")
     print(
         f"Command: python -m bench.engines --family {args.family} --n {args.n} "
@@ -150,6 +181,10 @@ def main() -> None:
             f"{report[m]['req_s']:.1f} | {report[m]['tok_s']:.0f}" for m in MODALITIES
         )
         print(f"| {report['backend']} | {report['start_s']:.1f} s | {cells} |")
+    busy = {m: reports[0][m]["busy"] for m in MODALITIES}
+    print("\nHF model-busy fraction: " + ", ".join(f"{m} {b:.2f}" for m, b in busy.items() if b))
+    if len(reports) < 2:
+        return
     hf, vllm = reports
     same = {
         m: f"{sum(a == b for a, b in zip(hf[m]['outputs'], vllm[m]['outputs'], strict=True))}"

@@ -8,6 +8,7 @@
 #   bash bench/gpu.sh                 # on a CUDA machine
 #   bash bench/gpu.sh --cpu-smoke     # same code path on CPU: tiny dims, fp32, < 60 s
 #   VLMQ_GPU_BENCH_CPU_SMOKE=1 bash bench/gpu.sh
+#   bash bench/gpu.sh --engines       # HF vs vLLM (bench.engines --size real), where vllm imports
 #
 # Other options: python -m bench.gpu_bench --help
 set -euo pipefail
@@ -26,6 +27,15 @@ fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+
+if [[ "${1:-}" == "--engines" ]]; then
+    shift
+    # Same requests through the HF engine and vLLM (continuous batching), real dimensions, bf16;
+    # the vLLM side is skipped, and says why, where vllm does not import.
+    echo "[$(date +%H:%M:%S)] $PYTHON -m bench.engines --size real --vllm-python $PYTHON $*"
+    exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
+        "$PYTHON" -m bench.engines --size real --vllm-python "$PYTHON" "$@"
+fi
 
 echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench $*"
 exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \

@@ -29,7 +29,7 @@ def _batches_of(settings: Settings, size: int) -> Settings:
 
 def test_new_work_goes_in_while_a_long_request_decodes(settings: Settings) -> None:
     client = Client(settings)
-    lines = [_text(0, 80)] + [_text(i, 2) for i in range(1, 40)]
+    lines = [_text(0, 200)] + [_text(i, 2) for i in range(1, 40)]
     job = client.submit_many(lines)
     engine = StepEngine(slots=8, step_s=0.005)  # a decode step takes time, as on a device
     with Running(make_loop(_batches_of(settings, 4), engine, ("text",))):
@@ -39,12 +39,13 @@ def test_new_work_goes_in_while_a_long_request_decodes(settings: Settings) -> No
     long_id = next(t for t in client.job_task_ids(job) if client.result(t)["custom_id"] == "r0")
     last_step = {t: i for i, step in enumerate(engine.steps) for t in step}
     # Every other request went in and came out while the long one was still decoding: ten
-    # micro-batches of four through an engine of eight slots, none waiting for the slowest row.
+    # micro-batches of four (or more, smaller) through an engine of eight slots, none waiting
+    # for the slowest row.
     assert all(last_step[t] < last_step[long_id] for t in last_step if t != long_id)
-    assert len(engine.submitted) == 10
+    assert len(engine.submitted) >= 10
     assert max(len(step) for step in engine.steps) <= 8  # never past the engine's slots
     assert len(client.store.keys(job)) == 40  # one result object each
-    assert client.result(long_id)["usage"]["completion_tokens"] == 80
+    assert client.result(long_id)["usage"]["completion_tokens"] == 200
 
 
 def test_a_redelivered_request_runs_alone_in_a_continuous_engine(settings: Settings) -> None:

@@ -29,13 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vlmq.workers.engine.vllm_engine import CPU_BUILD_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-VLLM_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-}
 MODALITIES = ("text", "image", "video")
 
 
@@ -104,7 +101,7 @@ def _run_side(python: Path, backend: str, model: Path, requests_path: Path, args
         "--out",
         str(out),
     ]
-    env = {**os.environ, **VLLM_ENV} if backend == "vllm" else dict(os.environ)
+    env = {**os.environ, **CPU_BUILD_ENV} if backend == "vllm" else dict(os.environ)
     began = time.perf_counter()
     subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())

@@ -11,16 +11,14 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import fleet, fleet_env  # noqa: F401 (the fleet fixtures, shared)
+from vlmq.workers.engine.vllm_engine import CPU_BUILD_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
-# vLLM's CPU build: its message queue on loopback, both cores for the one engine, a small KV
-# cache (docs/engines.md).
+# vLLM's CPU build (docs/engines.md), a small KV cache and model length for these tests.
 VLLM_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    **CPU_BUILD_ENV,
     "VLMQ_ENGINE__VLLM__MAX_MODEL_LEN": "4096",
     "VLMQ_ENGINE__VLLM__CPU_KV_CACHE_GIB": "1",
     "VLMQ_ENGINE__VLLM__MAX_NUM_SEQS": "32",

@@ -225,16 +225,31 @@ def test_a_fleet_worker_gives_the_hf_engines_tokens(
         _kill_group(worker)
 
 
+def _text_job(client: Any, count: int, tokens: int) -> tuple[str, list[dict[str, Any]]]:
+    """A job of ``count`` text requests of ``tokens`` new tokens each: its id and its lines."""
+    items = [
+        {"custom_id": f"c{i}", "messages": _user(f"task {i}"), "max_new_tokens": tokens}
+        for i in range(count)
+    ]
+    return client.submit_many(items), items
+
+
+def _finish_on_hf(fleet: Any, client: Any, job: str, model: Path) -> dict[str, int]:
+    """Start an HF worker for the rest (and what a lost vLLM worker held: its leases lapse and
+    are redelivered); the job's counts once it finished."""
+    fleet.start(
+        "--modality", "text", "--name", "hf-after", env={**ONE_BATCH, "VLMQ_MODEL": str(model)}
+    )
+    wait_until(lambda: _job_finished(client, job), timeout=300, what="the job on an HF worker")
+    return dict(client.status(job)["counts"])
+
+
 def test_kill9_of_a_vllm_worker_mid_run_loses_nothing(
     fleet: Any, fleet_env: dict[str, str], tmp_path: Path
 ) -> None:
     model = build_tiny_model(tmp_path / "model", "qwen2_5_vl", "small")
     client = _client(fleet_env)
-    items = [
-        {"custom_id": f"c{i}", "messages": _user(f"task {i}"), "max_new_tokens": 48}
-        for i in range(48)
-    ]
-    job = client.submit_many(items)
+    job, items = _text_job(client, 48, 48)
     ids = list(client.job_task_ids(job))
     victim = _start_vllm_worker(fleet_env, model, "vllm-victim")
     try:
@@ -243,12 +258,7 @@ def test_kill9_of_a_vllm_worker_mid_run_loses_nothing(
         )
     finally:
         _kill_group(victim)
-    # The rest (and what the victim held) on an HF worker: its leases lapse and are redelivered.
-    fleet.start(
-        "--modality", "text", "--name", "hf-after", env={**ONE_BATCH, "VLMQ_MODEL": str(model)}
-    )
-    wait_until(lambda: _job_finished(client, job), timeout=300, what="the job after kill -9")
-    counts = client.status(job)["counts"]
+    counts = _finish_on_hf(fleet, client, job, model)
     assert counts["succeeded"] == 48 and counts["failed"] == 0, counts
     attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
     assert max(attempts) >= 2  # what was inside the killed engine ran again
@@ -273,11 +283,7 @@ def test_a_dead_engine_makes_the_worker_exit_and_its_work_is_redelivered(
 ) -> None:
     model = build_tiny_model(tmp_path / "model", "qwen2_5_vl", "small")
     client = _client(fleet_env)
-    items = [
-        {"custom_id": f"c{i}", "messages": _user(f"task {i}"), "max_new_tokens": 64}
-        for i in range(32)
-    ]
-    job = client.submit_many(items)
+    job, _ = _text_job(client, 32, 64)
     ids = list(client.job_task_ids(job))
     worker = _start_vllm_worker(fleet_env, model, "vllm-dies")
     try:
@@ -292,11 +298,5 @@ def test_a_dead_engine_makes_the_worker_exit_and_its_work_is_redelivered(
         assert worker.wait(120) != 0
     finally:
         _kill_group(worker)
-    fleet.start(
-        "--modality", "text", "--name", "hf-after", env={**ONE_BATCH, "VLMQ_MODEL": str(model)}
-    )
-    wait_until(
-        lambda: _job_finished(client, job), timeout=300, what="the job after the engine died"
-    )
-    counts = client.status(job)["counts"]
+    counts = _finish_on_hf(fleet, client, job, model)
     assert counts["succeeded"] == 32 and counts["failed"] == 0, counts

@@ -16,6 +16,7 @@ from vlmq.config.settings import EngineSettings
 
 __all__ = [
     "LoadedModel",
+    "eos_token_ids",
     "load_model",
     "load_processor",
     "resolve_attention",
@@ -97,6 +98,13 @@ def detect_family(model_type: str) -> str:
 def _context_length(config: Any) -> int:
     text_config = getattr(config, "text_config", config)
     return int(getattr(text_config, "max_position_embeddings", 32768))
+
+
+def eos_token_ids(generation_eos: Any, tokenizer: Any) -> set[int]:
+    """Where a row ends: the generation config's EOS id(s) and the tokenizer's (chat models
+    end turns with one and pad with the other), the same for every engine."""
+    listed = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return {int(i) for i in listed if i is not None} | {int(tokenizer.eos_token_id)}
 
 
 def load_processor(name: str, settings: EngineSettings) -> Any:

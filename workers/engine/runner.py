@@ -40,7 +40,7 @@ from vlmq.workers.engine.controls import (
 )
 from vlmq.workers.engine.interface import Collated
 from vlmq.workers.engine.logprobs import LogprobRecorder, openai_logprobs
-from vlmq.workers.engine.model import LoadedModel
+from vlmq.workers.engine.model import LoadedModel, eos_token_ids
 from vlmq.workers.engine.prepare import Prepared
 
 __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory"]
@@ -158,9 +158,7 @@ class BatchRunner:
         self.faults = faults or FaultInjection()
         self.fixed_output_length = fixed_output_length
         tokenizer = loaded.tokenizer
-        eos = loaded.model.generation_config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {int(i) for i in eos_ids if i is not None} | {int(tokenizer.eos_token_id)}
+        self.eos_ids = eos_token_ids(loaded.model.generation_config.eos_token_id, tokenizer)
         self.pad_id = int(tokenizer.pad_token_id)
         # Constraint masks made during the forward pass: a GPU computes it while the host
         # waits; on the CPU the host computes it, and overlapping measured slower.

@@ -39,12 +39,21 @@ from vlmq.workers.engine.completions import (
     result_choices,
 )
 from vlmq.workers.engine.interface import Collated, EngineDied
-from vlmq.workers.engine.model import LoadedModel, detect_family, load_processor
+from vlmq.workers.engine.model import LoadedModel, detect_family, eos_token_ids, load_processor
 from vlmq.workers.engine.prepare import Prepared, Preparer
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import MediaLoader
 
-__all__ = ["VllmEngine", "sampling_fields"]
+__all__ = ["CPU_BUILD_ENV", "VllmEngine", "sampling_fields"]
+
+# What vLLM's CPU build wants in its environment on one machine (docs/engines.md): its
+# message queue on loopback (otherwise it picked another interface's address), and both
+# cores for the one engine (by default it keeps one for itself).
+CPU_BUILD_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +225,7 @@ class VllmEngine:
             eos = GenerationConfig.from_pretrained(self.model_name).eos_token_id
         except OSError:
             eos = None
-        eos_ids = {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
-        eos_ids.add(int(tokenizer.eos_token_id))
+        eos_ids = eos_token_ids(eos, tokenizer)
         return GrammarBook(tokenizer, vocab, eos_ids, self.settings.grammar_cache_size)
 
     def _dtype(self) -> str:
@@ -405,7 +413,8 @@ class VllmEngine:
         """One result per request, in order (``vlmq run``): every request is added at once
         and the engine runs until all have finished."""
         name = worker or "vlmq-run"
-        prepared = [f.result() for f in [self._pool.submit(self.prepare, r) for r in requests]]
+        self._ready()
+        prepared = self._preparer.prepare_all(list(requests))
         results: dict[str, Result] = {}
         ready = [p for p in prepared if p.error is None]
         for item in prepared:

@@ -175,9 +175,12 @@ def measure_raw(tmp: Path, path: Path, lines: int) -> Figures:
         return figures
 
 
-def _start_workers(tmp: Path, url: str, results: str, n: int) -> list[subprocess.Popen[bytes]]:
+def _start_workers(
+    tmp: Path, url: str, results: str, n: int, extra: dict[str, str] | None = None
+) -> list[subprocess.Popen[bytes]]:
     env = {
         **os.environ,
+        **(extra or {}),
         "VLMQ_REDIS_URL": url,
         "VLMQ_RESULTS_URL": results,
         "VLMQ_BATCH": json.dumps(

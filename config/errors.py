@@ -19,7 +19,8 @@ that never contains a raw exception text, a stack trace or an object repr.
     │   └── Expired               expired
     ├── RetryableError            transient; retried with backoff, then failed
     │   ├── MediaFetchTransient   media_fetch_failed (5xx, 429, timeout, DNS)
-    │   └── StoreUnavailable      store_unavailable
+    │   ├── StoreUnavailable      store_unavailable
+    │   └── QuotaExceeded         quota_exceeded (a tenant's queued tasks or tokens; submit later)
     └── ConfigError               configuration_error (operator mistake, not a task error)
 
 ``OutOfMemory`` is internal to the engine: it halves the micro-batch and is
@@ -45,6 +46,7 @@ __all__ = [
     "OutOfMemory",
     "PermanentError",
     "PromptTooLong",
+    "QuotaExceeded",
     "RetryableError",
     "StagingRefused",
     "StoreUnavailable",
@@ -149,6 +151,17 @@ class MediaFetchTransient(RetryableError):
 
 class StoreUnavailable(RetryableError):
     code = "store_unavailable"
+
+
+class QuotaExceeded(RetryableError):
+    """A submission would take its tenant past a quota; nothing of it was enqueued. It may be
+    submitted again once some of the tenant's queued work ran (``retry_after_s``)."""
+
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
 
 
 class OutOfMemory(VlmqError):

@@ -40,13 +40,21 @@ class Keys:
         """The Celery queue a worker's own Celery consumer listens on (``vlmq.ping``)."""
         return f"{self.prefix}.control"
 
-    def active_jobs(self, modality: str) -> str:
-        """Sorted set of a class's job lists that may hold messages (fair-share members),
-        scored by when each was last served: the pull serves the lowest first."""
+    def active_tenants(self, modality: str) -> str:
+        """Sorted set of a class's tenants with job lists that may hold messages (each member
+        is that tenant's ``active_jobs`` zset), scored by when each was last served: the pull
+        shares a class first across tenants, then across each tenant's jobs."""
         return f"{self.prefix}.{modality}:active"
 
+    def active_jobs(self, modality: str, tenant: str) -> str:
+        """Sorted set of one tenant's job lists of a class that may hold messages, scored by
+        when each was last served. Always ``active_tenants(modality)`` + ':' + the tenant
+        (scripts.lua finds the class's set from a tenant's by that rule; tenant names hold no
+        ':')."""
+        return f"{self.active_tenants(modality)}:{tenant}"
+
     def job_depth(self) -> str:
-        """Hash active-jobs zset -> messages waiting in its job lists (kept by enqueue, pull
+        """Hash active-tenants zset -> messages waiting in its job lists (kept by enqueue, pull
         and requeue, so a class's depth costs the same with 10 or 100,000 active jobs)."""
         return f"{self.prefix}:depth"
 
@@ -137,13 +145,43 @@ class Keys:
         """Sorted set job id -> lease deadline of events a webhook sender is delivering."""
         return f"{self.prefix}:events:leased"
 
+    # tenants ---------------------------------------------------------------
+    def quota(self, tenant: str) -> str:
+        """Hash of a tenant's queued work: 'tasks' (queued, fed or not) and 'tokens' (their
+        estimate). Jobs and standalone tasks carry this name ('quota'), so the scripts that
+        move tasks keep it without knowing the tenant."""
+        return f"{self.prefix}:quota:{tenant}"
+
+    def usage(self, tenant: str) -> str:
+        """Hash of a tenant's usage since it began: '<model>|<modality>|<metric>' -> count
+        (config/usage.py; bounded by models x modalities x metrics)."""
+        return f"{self.usage_prefix}{tenant}"
+
+    @property
+    def usage_prefix(self) -> str:
+        return f"{self.prefix}:usage:"
+
+    def usage_tenants(self) -> str:
+        """Set of the tenants with usage (an admin's view of all)."""
+        return f"{self.prefix}:usage-tenants"
+
+    def job_usage(self, job_id: str) -> str:
+        """A job's usage, as ``usage`` (``job(id)`` plus ':usage'; expires with the job)."""
+        return f"{self.job(job_id)}:usage"
+
+    def rate_bucket(self, caller: str) -> str:
+        """A caller's request-rate token bucket, shared by every API process (expires idle)."""
+        return f"{self.prefix}:rate:{caller}"
+
     # the HTTP API's OpenAI objects -----------------------------------------
     def file(self, file_id: str) -> str:
         return f"{self.prefix}:file:{file_id}"
 
-    def files_index(self) -> str:
-        """Sorted set file id -> creation time (newest-first listing)."""
-        return f"{self.prefix}:files"
+    def files_index(self, tenant: str | None = None) -> str:
+        """Sorted set file id -> creation time (newest-first listing): every tenant's, or
+        (``tenant``) one tenant's."""
+        base = f"{self.prefix}:files"
+        return base if tenant is None else f"{base}:{tenant}"
 
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
@@ -152,9 +190,11 @@ class Keys:
         """One API process at a time feeds or finalizes a batch."""
         return f"{self.prefix}:batch:{batch_id}:{activity}"
 
-    def batches_index(self) -> str:
-        """Sorted set batch id -> creation time (newest-first listing)."""
-        return f"{self.prefix}:batches"
+    def batches_index(self, tenant: str | None = None) -> str:
+        """Sorted set batch id -> creation time (newest-first listing): every tenant's, or
+        (``tenant``) one tenant's."""
+        base = f"{self.prefix}:batches"
+        return base if tenant is None else f"{base}:{tenant}"
 
     # workers ---------------------------------------------------------------
     def workers(self) -> str:

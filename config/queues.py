@@ -30,7 +30,7 @@ def queue_depth(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str
     for modality, lists in names.items():
         for name in lists:
             pipe.llen(name)
-        pipe.hget(keys.job_depth(), keys.active_jobs(modality))
+        pipe.hget(keys.job_depth(), keys.active_tenants(modality))
     replies = iter(pipe.execute())
     depth = {}
     for modality, lists in names.items():

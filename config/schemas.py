@@ -28,6 +28,7 @@ from vlmq.config.constraints import (
     ConstraintError,
     constraint_of,
 )
+from vlmq.config.tenants import ID_PATTERN
 
 __all__ = [
     "MAX_N",
@@ -63,7 +64,7 @@ class FinishReason(str, Enum):
 
 # A task id names Redis keys and store objects: plain characters only. The pull script
 # (config/scripts.lua, plain()) applies the same rule to ids it reads from raw messages.
-TASK_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+TASK_ID_PATTERN = ID_PATTERN
 
 
 def new_task_id() -> str:
@@ -267,7 +268,7 @@ class Request(BaseModel):
 
     id: str = Field(default_factory=new_task_id, pattern=TASK_ID_PATTERN)
     custom_id: str | None = Field(None, max_length=512)
-    job_id: str | None = Field(None, max_length=128)
+    job_id: str | None = Field(None, pattern=ID_PATTERN)
     messages: list[Message] = Field(min_length=1)
     generation: GenerationParams = Field(default_factory=GenerationParams)
 
@@ -373,6 +374,7 @@ class Result(BaseModel):
     padding_ratio: float | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     worker: str | None = None
+    tenant: str | None = None  # who the task belongs to (the fleet sets it when it settles)
     # With n > 1 or logprobs: every completion (choices[0] is ``output``).
     choices: list[Choice] | None = None
     # With a JSON constraint: ``output`` parsed (None when it did not finish, e.g. length).

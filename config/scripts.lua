@@ -104,24 +104,69 @@ end
 
 -- The job counter changes and finish checks of one script call, applied once per job at its
 -- end: a batch of 64 tasks of one job costs a few counter writes, not 128.
-local function new_tally() return {deltas = {}, jobs = {}} end
+-- quotas ---------------------------------------------------------------------------------
+-- A tenant's queued work is a hash (Keys.quota: 'tasks', 'tokens'), named by the 'quota' field
+-- of what counts in it: a job (its queued count, fed or not, at 'est' estimated tokens a task)
+-- or a task of its own (one task at its 'est'). Every change of a job's queued count goes
+-- through admit/queued_by, so the tenant's counts follow the job's exactly.
 
-local function count_move(tally, job, from, to)
+local function quota_add(quota, tasks, tokens)
+  redis.call('HINCRBY', quota, 'tasks', tasks)
+  if tokens ~= 0 then redis.call('HINCRBY', quota, 'tokens', string.format('%d', tokens)) end
+end
+
+-- `n` more queued tasks in a job, `tokens` their estimate: the job's mean moves to include
+-- them, and the tenant's tokens by what that changes.
+local function admit(jobkey, n, tokens)
+  local j = redis.call('HMGET', jobkey, 'queued', 'quota', 'est')
+  local queued, est = tonumber(j[1] or '0') or 0, tonumber(j[3] or '0') or 0
+  redis.call('HINCRBY', jobkey, 'queued', n)
+  if not j[2] or n == 0 then return end
+  local mean = est
+  if queued + n > 0 then mean = math.floor((queued * est + tokens) / (queued + n) + 0.5) end
+  redis.call('HSET', jobkey, 'est', mean)
+  quota_add(j[2], n, (queued + n) * mean - queued * est)
+end
+
+-- A job's queued count changes by `n` (`mirror` of them count in its tenant's quota: a task
+-- with a 'quota' of its own is counted there instead).
+local function queued_by(jobkey, n, mirror)
+  if n ~= 0 then redis.call('HINCRBY', jobkey, 'queued', n) end
+  if mirror == 0 then return end
+  local j = redis.call('HMGET', jobkey, 'quota', 'est')
+  if j[1] then quota_add(j[1], mirror, mirror * (tonumber(j[2] or '0') or 0)) end
+end
+
+-- The job counter changes and finish checks of one script call, applied once per job at its
+-- end: a batch of 64 tasks of one job costs a few counter writes, not 128.
+local function new_tally() return {deltas = {}, mirror = {}, jobs = {}} end
+
+-- `own`: the task counts in a quota of its own (not through its job's).
+local function count_move(tally, job, from, to, own)
   local d = tally.deltas[job]
   if not d then
     d = {}
     tally.deltas[job] = d
+    tally.mirror[job] = 0
     tally.jobs[#tally.jobs + 1] = job
   end
   if from ~= '' then d[from] = (d[from] or 0) - 1 end
   d[to] = (d[to] or 0) + 1
+  if not own then
+    if from == 'queued' then tally.mirror[job] = tally.mirror[job] - 1 end
+    if to == 'queued' then tally.mirror[job] = tally.mirror[job] + 1 end
+  end
 end
 
 local function apply_tally(tally, jobprefix, t, events)
   for _, job in ipairs(tally.jobs) do
     local jobkey = jobprefix .. job
     for state, n in pairs(tally.deltas[job]) do
-      if n ~= 0 then redis.call('HINCRBY', jobkey, state, n) end
+      if state == 'queued' then
+        queued_by(jobkey, n, tally.mirror[job])
+      elseif n ~= 0 then
+        redis.call('HINCRBY', jobkey, state, n)
+      end
     end
     finish_check(jobkey, job, t, events)
   end
@@ -134,8 +179,9 @@ end
 -- (result_key names it), and a task that ended without one keeps its custom_id instead.
 local FOLDED = {succeeded = 'S', failed = 'F', cancelled = 'C', expired = 'E'}
 
--- The task hash fields a move reads, once (fenced_move): h[1..6].
-local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'custom_id', 'attempts'}
+-- The task hash fields a move reads, once (fenced_move): h[1..9].
+local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'custom_id', 'attempts',
+                     'quota', 'est', 'tenant'}
 
 local function fold(key, h, m, jobkey)
   local claims = jobkey .. ':custom_ids'
@@ -184,7 +230,10 @@ local function move(key, m, h, jobprefix, t, tally)
     fields[#fields + 1] = m.new
     redis.call('HSET', key, unpack(fields))
   end
-  if in_job and current ~= m.new then count_move(tally, job, current, m.new) end
+  if current == 'queued' and m.new ~= 'queued' and h[7] then
+    quota_add(h[7], -1, -(tonumber(h[8] or '0') or 0))  -- it counted in a quota of its own
+  end
+  if in_job and current ~= m.new then count_move(tally, job, current, m.new, h[7] and true or false) end
   return current, 1
 end
 
@@ -201,21 +250,22 @@ end
 
 -- A fenced move: refused for a holder whose delivery `m.token` is no longer the task's (''
 -- = unfenced: producers); counts an attempt when it moves.
--- Returns previous state, moved (1|0), held (1|0).
+-- Returns previous state, moved (1|0), held (1|0), and the hash's MOVE_FIELDS before it.
 local function fenced_move(key, m, jobprefix, t, tally)
   local h = redis.call('HMGET', key, unpack(MOVE_FIELDS))
   if m.token ~= '' and h[2] ~= m.token then
-    return h[1] or '', 0, 0
+    return h[1] or '', 0, 0, h
   end
   local previous, moved = move(key, m, h, jobprefix, t, tally)
-  return previous, moved, 1
+  return previous, moved, 1, h
 end
 
 -- in flight -----------------------------------------------------------------------------------
 -- The bookkeeping of held messages, always KEYS[1..5] of these commands: inflight hash (id ->
 -- raw message), leases zset (id -> deadline), origin-queue hash, origin-active hash (the
--- fair-share zset of a job list the message came from), job-list depth hash (fair-share zset
--- -> messages waiting in its job lists: a class's queue depth without visiting every job).
+-- tenant's fair-share zset of a job list the message came from), job-list depth hash (a
+-- class's active-tenants zset -> messages waiting in its job lists: a class's queue depth
+-- without visiting every job).
 
 local function forget_all(ids)
   if #ids == 0 then return end
@@ -227,6 +277,29 @@ end
 
 local function forget(id) forget_all({id}) end
 
+-- Fair share is two-level: a class's active-tenants zset holds each tenant's active-jobs zset,
+-- which holds that tenant's job lists. A tenant's zset is named the class's plus ':<tenant>'
+-- (Keys.active_jobs), so the class's is found from it; the depth hash counts per class.
+local function class_of(active) return string.match(active, '^(.*):[^:]+$') end
+
+-- A job list that got messages is a member of its tenant's zset, and the tenant of its class's.
+-- A fair-share set named before tenants (a class's own set, holding job lists) is read as
+-- the default tenant's: a fleet upgraded with work in flight requeues it there.
+local LEGACY_SUFFIX = ':active'
+local function tenant_set(active)
+  if string.sub(active, -#LEGACY_SUFFIX) == LEGACY_SUFFIX then return active .. ':default' end
+  return active
+end
+
+-- `depth`: the job-list depth hash.
+local function activate(list, active, n, depth)
+  active = tenant_set(active)
+  local class = class_of(active)
+  redis.call('ZADD', active, 'NX', 0, list)
+  redis.call('ZADD', class, 'NX', 0, active)
+  redis.call('HINCRBY', depth, class, n)
+end
+
 -- Put a held message back at the head of its queue (RPUSH: the next one popped).
 local function requeue(id)
   local raw = redis.call('HGET', KEYS[1], id)
@@ -235,10 +308,7 @@ local function requeue(id)
   if raw and queue then
     redis.call('RPUSH', queue, raw)
     local active = redis.call('HGET', KEYS[4], id)
-    if active then
-      redis.call('ZADD', active, 'NX', 0, queue)
-      redis.call('HINCRBY', KEYS[5], active, 1)
-    end
+    if active then activate(queue, active, 1, KEYS[5]) end
     moved = 1
   end
   forget(id)
@@ -262,37 +332,105 @@ function commands.transition()
   return replies
 end
 
+-- usage ----------------------------------------------------------------------------------
+-- What settled tasks used, counted once per task in the step that settles it (a fenced-out
+-- holder's result counts nothing): per tenant (Keys.usage, the tenants in Keys.usage_tenants)
+-- and per job (Keys.job_usage, with the job's ttl), fields '<model>|<modality>|<metric>'.
+local USAGE_METRICS = {'prompt_tokens', 'completion_tokens', 'requests', 'model_us'}
+
+-- Reads one task's usage from ARGV at `at`: '' (none) or dims then the four metrics.
+local function read_usage(at)
+  if ARGV[at] == '' then return nil, at + 1 end
+  local u = {dims = ARGV[at], values = {}}
+  for j = 1, #USAGE_METRICS do u.values[j] = tonumber(ARGV[at + j]) or 0 end
+  return u, at + 1 + #USAGE_METRICS
+end
+
+-- A settle call's usage, summed per key and field and written once at its end: a batch of 64
+-- tasks of one job and model costs 8 writes, not 512. `sums.keys` lists keys in first-seen
+-- order; `sums.jobs` the job usage keys (they get the job's ttl).
+local function new_sums() return {keys = {}, fields = {}, jobs = {}, tenants = {}, of = {}} end
+
+local function add_usage(sums, key, u)
+  local fields = sums.fields[key]
+  if not fields then
+    fields = {}
+    sums.fields[key] = fields
+    sums.keys[#sums.keys + 1] = key
+  end
+  for j, metric in ipairs(USAGE_METRICS) do
+    local field = u.dims .. '|' .. metric
+    fields[field] = (fields[field] or 0) + u.values[j]
+  end
+end
+
+-- `h`: the task hash's MOVE_FIELDS as read before its move (the hash may be gone: folded).
+-- ARGV[3] usage key prefix.
+local function count_usage(sums, h, u, jobprefix)
+  local job = h[3]
+  local tenant = h[9]
+  if not tenant and job then
+    tenant = sums.of[job] or redis.call('HGET', jobprefix .. job, 'tenant') or 'default'
+    sums.of[job] = tenant  -- a job's tenant, read once per call
+  end
+  tenant = tenant or 'default'
+  add_usage(sums, ARGV[3] .. tenant, u)
+  sums.tenants[tenant] = true
+  if job and job ~= '' then
+    local key = jobprefix .. job .. ':usage'
+    add_usage(sums, key, u)
+    sums.jobs[key] = true
+  end
+end
+
+-- ARGV[4] usage-tenants set, ARGV[5] job ttl.
+local function write_sums(sums)
+  for _, key in ipairs(sums.keys) do
+    for field, n in pairs(sums.fields[key]) do
+      if n ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', n)) end
+    end
+    if sums.jobs[key] then redis.call('EXPIRE', key, tonumber(ARGV[5])) end
+  end
+  for tenant in pairs(sums.tenants) do redis.call('SADD', ARGV[4], tenant) end
+end
+
 -- settle: terminal transitions and acknowledgements of held tasks, one step (allow-oom).
 -- KEYS[1..5] bookkeeping, KEYS[6] events list, KEYS[7..] task hashes. ARGV: job key prefix,
--- then per task its id and a move. Returns {previous, moved, held} per task: a holder that was
--- fenced out (held 0) changes nothing, and its result never becomes the task's.
+-- usage key prefix, usage-tenants set, job ttl seconds, then per task its id, a move and its
+-- usage (read_usage). Returns {previous, moved, held} per task: a holder that was fenced out
+-- (held 0) changes nothing, and its result never becomes the task's (nor counts in usage).
 function commands.settle()
-  local t, replies, at, tally, settled = now(), {}, 3, new_tally(), {}
+  local t, replies, at, tally, settled = now(), {}, 6, new_tally(), {}
+  local sums = new_sums()
   for i = 7, #KEYS do
     local id = ARGV[at]
-    local m
+    local m, u
     m, at = read_move(at + 1)
-    local previous, moved, held = fenced_move(KEYS[i], m, ARGV[2], t, tally)
+    u, at = read_usage(at)
+    local previous, moved, held, h = fenced_move(KEYS[i], m, ARGV[2], t, tally)
     if held == 1 then settled[#settled + 1] = id end
+    if u and held == 1 and moved == 1 then count_usage(sums, h, u, ARGV[2]) end
     replies[i - 6] = {previous, moved, held}
   end
   forget_all(settled)
+  write_sums(sums)
   apply_tally(tally, ARGV[2], t, KEYS[6])
   return replies
 end
 
 -- pull: move up to N messages of one class into this worker's leases.
--- KEYS[1..5] bookkeeping, KEYS[6] the class's active-jobs zset, KEYS[7..] its fixed lists:
+-- KEYS[1..5] bookkeeping, KEYS[6] the class's active-tenants zset, KEYS[7..] its fixed lists:
 -- the interactive lane (priority order), then the plain bulk queue (priority order).
 -- ARGV: max count, lease seconds, task key prefix, number of interactive lists, terminal
 -- states (csv), task ttl seconds (a plain send_task's message gets its hash here, and the
--- hash its ttl). The interactive lane is drained first; the rest is shared round robin, an
--- equal share per member per round (one each when there are more members than room),
--- between the plain bulk queue and the bulk jobs' own lists, least recently served job
--- first: a job served goes to the back of the zset (score: one more than the last), so with
--- J active jobs and batches of B every job is served within ceil(J / B) pulls, and a pull
--- costs O(B log J) whatever J is. Lists are popped several messages at a time and the
--- bookkeeping written once per pull: the per-message cost is what caps a Redis.
+-- hash its ttl). The interactive lane is drained first; the rest is shared round robin, first
+-- across tenants, then across each tenant's jobs: an equal share per member per round (one
+-- each when there are more members than room), least recently served first. The plain bulk
+-- queue (any Celery producer's messages) is one more member at the tenant level. A member
+-- served goes to the back of its zset, so with T active tenants and batches of B every
+-- tenant is served within ceil(T / B) pulls whatever its number of jobs, and a pull costs
+-- O(B log J). Lists are popped several messages at a time and the bookkeeping written once
+-- per pull: the per-message cost is what caps a Redis.
 -- A copy of a task that is already terminal, or that a live holder has, is dropped (one run
 -- per task while its holder lives); a holder whose lease ran out is fenced out by the new
 -- delivery's token. Returns {now, dropped, rows}; a row is {id, raw, token, status fields}.
@@ -306,13 +444,13 @@ function commands.pull()
   local function take(list, active, n)
     local raws = redis.call('RPOP', list, n)
     if not raws then return 0 end
-    if active then redis.call('HINCRBY', KEYS[5], active, -#raws) end
+    if active then redis.call('HINCRBY', KEYS[5], KEYS[6], -#raws) end
     for _, raw in ipairs(raws) do
       local id = task_id(raw)
       local key = prefix .. id
       -- The status fields the worker decides on, read here to save it a round trip.
       local status = redis.call('HMGET', key, 'state', 'attempts', 'job_id', 'queued_at',
-                                'expires_at')
+                                'expires_at', 'tenant')
       local held_until = tonumber(redis.call('ZSCORE', KEYS[2], id))
       -- A job list's task always has a hash until it ends (then it is folded, or expired
       -- with its job): a copy without one is of a task that already ended.
@@ -345,26 +483,55 @@ function commands.pull()
   end
   local plain_lists = {}
   for i = first, #KEYS do plain_lists[#plain_lists + 1] = KEYS[i] end
-  local active = KEYS[6]
+  -- A member served goes to the back of its zset (score: one more than the last).
+  local function served(zset, member)
+    local last = redis.call('ZRANGE', zset, -1, -1, 'WITHSCORES')
+    redis.call('ZADD', zset, tonumber(last[2]) + 1, member)
+  end
+  -- One round over a tenant's jobs (least recently served first) with `room` to fill: an
+  -- equal share each, one each when it has more jobs than room. Returns what it took.
+  local function take_tenant(active, room)
+    local got = 0
+    local jobs = redis.call('ZRANGE', active, 0, room - 1)
+    local share = math.ceil(room / math.max(#jobs, 1))
+    for _, list in ipairs(jobs) do
+      if got >= room then break end
+      local n = take(list, active, math.min(share, room - got))
+      if n > 0 then
+        got = got + n
+        served(active, list)
+      else
+        redis.call('ZREM', active, list)
+      end
+    end
+    return got
+  end
+  local tenants = KEYS[6]
   local progress = true
   while #out < limit and progress do
     progress = false
     local want = limit - #out
-    local jobs = redis.call('ZRANGE', active, 0, want - 1)
-    -- An equal share per member this round (the plain bulk queue is one): one each when
-    -- there are more jobs than room, the whole room when one job is active.
-    local share = math.ceil(want / (#jobs + 1))
+    local members = redis.call('ZRANGE', tenants, 0, want - 1)
+    -- An equal share per tenant this round (the plain bulk queue, messages of any Celery
+    -- producer, is one more): one each when there are more tenants than room.
+    local share = math.ceil(want / (#members + 1))
     for _, list in ipairs(plain_lists) do
       if take(list, false, share) > 0 then progress = true break end
     end
-    for _, list in ipairs(jobs) do
+    for _, active in ipairs(members) do
       if #out >= limit then break end
-      if take(list, active, math.min(share, limit - #out)) > 0 then
+      if redis.call('TYPE', active).ok == 'list' then
+        -- A job list put here before tenants: it becomes the default tenant's.
+        redis.call('ZREM', tenants, active)
+        redis.call('ZADD', tenant_set(tenants), 'NX', 0, active)
+        active = tenant_set(tenants)
+        redis.call('ZADD', tenants, 'NX', 0, active)
+      end
+      if take_tenant(active, math.min(share, limit - #out)) > 0 then
         progress = true
-        local last = redis.call('ZRANGE', active, -1, -1, 'WITHSCORES')
-        redis.call('ZADD', active, tonumber(last[2]) + 1, list)
-      else
-        redis.call('ZREM', active, list)
+        served(tenants, active)
+      elseif redis.call('EXISTS', active) == 0 then
+        redis.call('ZREM', tenants, active)  -- none of its jobs has messages left
       end
     end
   end
@@ -483,9 +650,13 @@ end
 -- KEYS[1] job hash, KEYS[2] expiry zset, KEYS[3] submitting zset (job id -> latest submitter
 -- lease), KEYS[4] job number counter. ARGV: job id, name, webhook url, completion window
 -- seconds ('' none), ttl seconds, submission id, submitter lease seconds, job-number key
--- prefix. The window starts at the first submission. Returns the job's number.
+-- prefix, tenant, the tenant's quota hash. The window starts at the first submission.
+-- Returns the job's number; a job of another tenant is not reopened (an error reply 'OWNED').
 function commands.open_job()
   local t, key = now(), KEYS[1]
+  local owner = redis.call('HGET', key, 'tenant')
+  if owner and owner ~= ARGV[10] then return redis.error_reply('OWNED') end
+  if not owner then redis.call('HSET', key, 'tenant', ARGV[10], 'quota', ARGV[11]) end
   redis.call('HSETNX', key, 'created_at', stamp(t))
   -- The job's number: fed tasks are named '<number>.<claim>.<submission>', and the number's
   -- key names the job, so a folded task's status is found from its id alone.
@@ -542,7 +713,7 @@ end
 
 -- Collects one message for a class pair's list (KEYS[base + 2*pair]); push_all pushes each
 -- list's in one call (in order: the first collected is popped first) and, when the lists are
--- job lists (`job_lists`), counts them in each pair's active zset (KEYS[base + 2*pair + 1]).
+-- job lists (`job_lists`), counts them in each pair's tenant active-jobs zset (KEYS[base + 2*pair + 1]).
 local function push(pair, message, pushed)
   local list = pushed[pair]
   if not list then
@@ -555,12 +726,14 @@ end
 local function push_all(base, pushed, depth, job_lists)
   for pair, messages in pairs(pushed) do
     call_many('LPUSH', KEYS[base + 2 * pair], messages, 1)
-    if job_lists then
-      local active = KEYS[base + 2 * pair + 1]
-      redis.call('ZADD', active, 'NX', 0, KEYS[base + 2 * pair])
-      redis.call('HINCRBY', depth, active, #messages)
-    end
+    if job_lists then activate(KEYS[base + 2 * pair], KEYS[base + 2 * pair + 1], #messages, depth) end
   end
+end
+
+-- The position of `name` among the status field names (1-based), or nil.
+local function field_index(names, name)
+  for i, n in ipairs(names) do if n == name then return i end end
+  return nil
 end
 
 -- Reads the status field names from ARGV at `at`: a count F, then F names.
@@ -588,7 +761,7 @@ end
 -- submit: tasks of a job whose ids are the caller's (Client.submit_many), all or nothing: each
 -- gets its status hash, its message pushed, its id on the job's task list, and is counted.
 -- KEYS[1] job hash, KEYS[2] job task list, KEYS[3] submitting zset, KEYS[4] job-list depth
--- hash, then per modality class its job list and active zset (pairs), then one task hash per
+-- hash, then per modality class its job list and its tenant's active-jobs zset (pairs), then one task hash per
 -- task. ARGV: job id, ttl seconds, submission id, submitter lease seconds, task key prefix,
 -- number of class pairs, then F and the F status field names; then per task: class pair
 -- (1-based), the F field values ('' unset), message. Returns the number enqueued.
@@ -598,10 +771,12 @@ function commands.submit()
   local job, ttl, sub, prefix = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[6]
   local pairs_n = tonumber(ARGV[7])
   local names, at = read_names(8)
-  local first_task, pushed, ids = 5 + 2 * pairs_n, {}, {}
+  local first_task, pushed, ids, tokens = 5 + 2 * pairs_n, {}, {}, 0
+  local est_at = field_index(names, 'est')
   for i = first_task, #KEYS do
     local pair = tonumber(ARGV[at])
     create_task(KEYS[i], names, at + 1, t, ttl)
+    if est_at then tokens = tokens + (tonumber(ARGV[at + est_at]) or 0) end
     push(pair, ARGV[at + 1 + #names], pushed)
     ids[#ids + 1] = string.sub(KEYS[i], #prefix + 1)
     at = at + 2 + #names
@@ -610,7 +785,7 @@ function commands.submit()
   call_many('RPUSH', tasks, ids, 1)
   local added = #KEYS - first_task + 1
   redis.call('HINCRBY', jobkey, 'total', added)
-  redis.call('HINCRBY', jobkey, 'queued', added)
+  admit(jobkey, added, tokens)
   hold_submitter(jobkey, job, sub, t + tonumber(ARGV[5]), KEYS[3])
   for _, k in ipairs({jobkey, tasks}) do redis.call('EXPIRE', k, ttl) end
   return added
@@ -625,7 +800,8 @@ end
 
 -- register_feed: KEYS[1] job hash, KEYS[2] feed hash, KEYS[3] feeds zset. ARGV: job id,
 -- feed id, input key, lines, lane, ttl seconds, input size (bytes), lease seconds (the feed
--- starts leased to the caller: the submitter feeds the first window).
+-- starts leased to the caller: the submitter feeds the first window), estimated tokens of
+-- its lines (0: not estimated).
 function commands.register_feed()
   local lines, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
   if lines == 0 then return 0 end
@@ -634,9 +810,8 @@ function commands.register_feed()
   redis.call('EXPIRE', KEYS[2], ttl)
   redis.call('ZADD', KEYS[3], now() + tonumber(ARGV[9]), ARGV[3])
   redis.call('HSET', KEYS[1], 'feed:' .. ARGV[3], '1')
-  for _, field in ipairs({'total', 'queued', 'unfed'}) do
-    redis.call('HINCRBY', KEYS[1], field, lines)
-  end
+  for _, field in ipairs({'total', 'unfed'}) do redis.call('HINCRBY', KEYS[1], field, lines) end
+  admit(KEYS[1], lines, tonumber(ARGV[10] or '0') or 0)
   return lines
 end
 
@@ -667,7 +842,7 @@ local function drop_feed(jobkey, feedkey, feeds, job, feed, state, t, events)
   local f = redis.call('HMGET', feedkey, 'left', 'input', 'cursor')
   local left = tonumber(f[1] or '0')
   if left > 0 then
-    redis.call('HINCRBY', jobkey, 'queued', -left)
+    queued_by(jobkey, -left, -left)
     redis.call('HINCRBY', jobkey, 'unfed', -left)
     redis.call('HINCRBY', jobkey, state, left)
     -- Where the lines that never ran are (the job's error file lists them from there).
@@ -694,7 +869,7 @@ end
 -- counts), one this same submission claimed is a duplicate. A line not enqueued leaves the
 -- counts it was given when its feed was registered.
 -- KEYS[1] job hash, KEYS[2] claims hash, KEYS[3] feed hash, KEYS[4] feeds zset, KEYS[5]
--- job-list depth hash, KEYS[6] events list, then per modality class its list and active zset
+-- job-list depth hash, KEYS[6] events list, then per modality class its list and its tenant's active-jobs zset
 -- (pairs), then one task hash per line. ARGV: job id, ttl seconds, submission id, feed id,
 -- task key prefix, expected cursor, new cursor, lines consumed (each was counted), number of
 -- class pairs, whether the pairs' lists are job lists ('1') or the interactive lane's ('0'),
@@ -752,7 +927,7 @@ function commands.feed()
   dropped = dropped + consumed - (#KEYS - first_task + 1)
   if dropped > 0 then
     redis.call('HINCRBY', jobkey, 'total', -dropped)
-    redis.call('HINCRBY', jobkey, 'queued', -dropped)
+    queued_by(jobkey, -dropped, -dropped)
   end
   redis.call('HINCRBY', jobkey, 'unfed', -consumed)
   local left = redis.call('HINCRBY', feedkey, 'left', -consumed)
@@ -761,6 +936,30 @@ function commands.feed()
   for _, k in ipairs({jobkey, claims}) do redis.call('EXPIRE', k, ttl) end
   finish_check(jobkey, job, t, KEYS[6])
   return {'fed', codes}
+end
+
+-- rate: one request of a caller against its token bucket, shared by every API process.
+-- KEYS[1] the caller's bucket (hash: tokens, at). ARGV: refill per second, burst. Returns the
+-- seconds until a token is free ('0': allowed, and one was spent). An idle bucket is full:
+-- it expires once it would have refilled.
+function commands.rate()
+  local t, per_s, burst = now(), tonumber(ARGV[2]), tonumber(ARGV[3])
+  local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+  local tokens = tonumber(b[1] or '') or burst
+  local at = tonumber(b[2] or '') or t
+  tokens = math.min(burst, tokens + math.max(0, t - at) * per_s)
+  local wait = 0
+  if tokens >= 1 then
+    tokens = tokens - 1
+  elseif per_s > 0 then
+    wait = (1 - tokens) / per_s
+  else
+    wait = 3600
+  end
+  redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'at', stamp(t))
+  local idle = per_s > 0 and math.ceil(burst / per_s) + 1 or 3600
+  redis.call('EXPIRE', KEYS[1], idle)
+  return string.format('%.6f', wait)
 end
 
 return commands[ARGV[1]]()

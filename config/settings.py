@@ -19,6 +19,8 @@ __all__ = [
     "MediaSettings",
     "MetricsSettings",
     "Settings",
+    "TenantQuota",
+    "TenantSettings",
     "VllmSettings",
     "WebhookSettings",
     "WorkerSettings",
@@ -259,6 +261,12 @@ class FleetSettings(BaseModel):
     # Publish Celery task events (received/started/succeeded/failed) so Flower
     # shows the inference tasks; three extra publishes per task.
     task_events: bool = False
+    # After each settle, WAIT on the same connection until this many replicas have it (0: off),
+    # at most settle_wait_timeout_ms: with Sentinel, an acknowledged result then survives a
+    # failover. Fewer replicas in time is logged and counted (vlmq_settle_wait_short_total),
+    # not failed: the write is done on the master.
+    settle_wait_replicas: int = Field(0, ge=0)
+    settle_wait_timeout_ms: int = Field(1000, ge=1)
 
 
 class ApiSettings(BaseModel):
@@ -266,12 +274,27 @@ class ApiSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    # Bearer tokens accepted by the API. Empty: no authentication, and the
-    # server refuses to bind anywhere but loopback.
+    # Bearer tokens accepted by the API, each acting as the default tenant. With no key at all
+    # (none here, in tenant_keys or admin_keys) there is no authentication: the server then
+    # binds to loopback only and answers only loopback Host names (no DNS rebinding).
     api_keys: list[str] = Field(default_factory=list)
+    # Key -> tenant: each key acts as its tenant and sees that tenant's work only
+    # (VLMQ_API__TENANT_KEYS='{"<key>": "team-a"}'). Docs: README "Multi-tenant".
+    tenant_keys: dict[str, str] = Field(default_factory=dict)
+    # Keys with the admin role: they see and cancel every tenant's work (their own
+    # submissions go to the default tenant).
+    admin_keys: list[str] = Field(default_factory=list)
+    # Shorter keys are refused at start (a key is the only secret between a caller and a fleet).
+    min_key_length: int = Field(16, ge=1)
+    # Callers without a valid key, per client address: a guessing caller is slowed down
+    # before it gets far (a keyless server's callers share the default tenant's rate).
+    unauthenticated_rate_limit_per_s: float = Field(5.0, ge=0)
+    unauthenticated_rate_limit_burst: int = Field(20, ge=1)
     max_body_bytes: int = 32 * MiB
     max_batch_items: int = 1000  # POST /v1/tasks:batch
-    rate_limit_per_s: float = 50.0  # per key (or per client address without keys)
+    # Requests per tenant, shared by every API process (the bucket is in Redis); a tenant's
+    # quota may set its own (VLMQ_TENANTS__QUOTAS).
+    rate_limit_per_s: float = 50.0
     rate_limit_burst: int = 100
     # Refuse new work with 429 once this many tasks wait in a class's queues.
     max_queue_depth: int = 1_000_000
@@ -301,7 +324,33 @@ class WebhookSettings(BaseModel):
 class MetricsSettings(BaseModel):
     # Port of a worker's Prometheus /metrics endpoint; None: not served.
     port: int | None = None
-    host: str = "0.0.0.0"
+    # Loopback unless configured: the metrics name tenants and jobs (0.0.0.0 for a scraper
+    # on another host, behind the network's own access control).
+    host: str = "127.0.0.1"
+
+
+class TenantQuota(BaseModel):
+    """One tenant's limits (None: unlimited / the API's default rate)."""
+
+    # Tasks queued (fed or not yet fed) at most; more is refused with 429 quota_exceeded.
+    max_queued_tasks: int | None = Field(None, ge=0)
+    # Estimated tokens (prompt incl. visual tokens, plus max_new_tokens) of its queued tasks.
+    max_queued_tokens: int | None = Field(None, ge=0)
+    # API requests per second, shared by every API process (429 rate_limited).
+    rate_limit_per_s: float | None = Field(None, ge=0)
+    rate_limit_burst: int | None = Field(None, ge=1)
+
+
+class TenantSettings(BaseModel):
+    """Quotas per tenant (docs/scaling.md, Multi-tenant)."""
+
+    # tenant -> its quota (VLMQ_TENANTS__QUOTAS='{"team-a": {"max_queued_tasks": 100000}}').
+    quotas: dict[str, TenantQuota] = Field(default_factory=dict)
+    # The quota of every tenant not listed.
+    default_quota: TenantQuota = Field(default_factory=TenantQuota)
+
+    def quota(self, tenant: str) -> TenantQuota:
+        return self.quotas.get(tenant, self.default_quota)
 
 
 def _default_policies() -> dict[str, BatchPolicy]:
@@ -322,6 +371,15 @@ class Settings(BaseSettings):
     )
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # With a Sentinel URL (redis+sentinel://[[user]:password@]host1:26379,host2:26379/service[/db],
+    # config/connection.py): the sentinels' own password (their requirepass; the URL's password
+    # is the master's), empty for none, and the socket timeout of each sentinel query (a
+    # sentinel that does not answer is skipped after it).
+    redis_sentinel_password: str = ""
+    redis_sentinel_timeout_s: float = Field(1.0, gt=0)
+    # The tenant this process's own submissions belong to (the Python client, the CLI); the
+    # API acts as the tenant of each caller's key instead.
+    tenant: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     results_url: str = "file://./.vlmq/results"
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
@@ -332,5 +390,6 @@ class Settings(BaseSettings):
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    tenants: TenantSettings = Field(default_factory=TenantSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)

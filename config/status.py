@@ -107,6 +107,7 @@ class JobStatus:
     validation_error: str | None = None  # why a submission failed validation as a whole
     name: str | None = None
     webhook_url: str | None = None
+    tenant: str = "default"
     created_at: float | None = None
     finished_at: float | None = None
     expires_at: float | None = None
@@ -139,6 +140,7 @@ class JobStatus:
             "validation_error": raw.get("validation_error") or None,
             "name": raw.get("name") or None,
             "webhook_url": raw.get("webhook_url") or None,
+            "tenant": raw.get("tenant") or "default",
             "created_at": _number(raw.get("created_at"), float),
             "finished_at": _number(raw.get("finished_at"), float),
             "expires_at": _number(raw.get("expires_at"), float),
@@ -158,6 +160,7 @@ class JobStatus:
             "line_errors": self.line_errors,
             "validation_error": self.validation_error,
             "name": self.name,
+            "tenant": self.tenant,
             "created_at": self.created_at,
             "finished_at": self.finished_at,
             "expires_at": self.expires_at,

@@ -20,11 +20,13 @@ from typing import Any
 
 import redis as redis_py
 
+from vlmq.config.errors import InvalidRequest
 from vlmq.config.jsonl import LineError
 from vlmq.config.keys import Keys
 from vlmq.config.results import result_key
 from vlmq.config.scripts import Scripts
 from vlmq.config.status import JobStatus, TaskState, sources_of
+from vlmq.config.tenants import DEFAULT_TENANT, check_id, valid_id
 
 __all__ = [
     "QUEUED_FIELDS",
@@ -41,7 +43,7 @@ __all__ = [
 
 # The status fields a bulk line's task hash is created with (besides state and the stamps);
 # ``claim`` marks a fed task, folded into its job when it ends (scripts.lua ``fold``).
-QUEUED_FIELDS = ("job_id", "custom_id", "modality", "queue", "expires_at", "claim")
+QUEUED_FIELDS = ("job_id", "custom_id", "modality", "queue", "expires_at", "claim", "tenant", "est")
 
 # A folded record's state letter (scripts.lua FOLDED).
 _FOLDED_STATES = {"S": "succeeded", "F": "failed", "C": "cancelled", "E": "expired"}
@@ -242,15 +244,32 @@ class StatusDB:
         name: str | None = None,
         expires_in_s: float | None = None,
         webhook_url: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
-        """Create (or reopen, for a resubmission) a job; unsealed until submitted, and not
-        finished while ``submission`` holds its submitter lease. The completion window
-        starts at the first submission, on Redis's clock. Returns the job's number."""
+        """Create (or reopen, for a resubmission) a job of ``tenant``; unsealed until
+        submitted, and not finished while ``submission`` holds its submitter lease. The
+        completion window starts at the first submission, on Redis's clock. Returns the job's
+        number. A job of another tenant is not reopened (InvalidRequest)."""
+        check_id("job id", job_id)
         args = [job_id, name or "", webhook_url or "", expires_in_s or "", self.ttl_s]
         args += [submission, self.submitter_lease_s, self.keys.job_ref_prefix]
+        args += [tenant, self.keys.quota(tenant)]
         keys = [self.keys.job(job_id), self.keys.job_expiry(), self.keys.jobs_submitting()]
         keys.append(self.keys.job_numbers())
-        return str(self.scripts("open_job", keys, args))
+        try:
+            number = str(self.scripts("open_job", keys, args))
+        except redis_py.ResponseError as exc:
+            if "OWNED" not in str(exc):
+                raise
+            raise InvalidRequest(f"job id {job_id!r} is in use by another tenant") from None
+        return number
+
+    def job_tenant(self, job_id: str) -> str:
+        """The tenant a job belongs to (the default for a job from before tenants)."""
+        if not valid_id(job_id):
+            return DEFAULT_TENANT
+        stored: str | None = self.redis.hget(self.keys.job(job_id), "tenant")  # type: ignore[assignment]
+        return stored or DEFAULT_TENANT
 
     def seal_job(self, job_id: str, submission: str, lines: int = 0, line_errors: int = 0) -> None:
         """``submission`` is complete: the job may now finish (once no submitter adds)."""
@@ -286,11 +305,12 @@ class StatusDB:
     ) -> dict[str, int]:
         """Appends each class's list and active zset to ``keys``; class -> its pair number."""
         pairs: dict[str, int] = {}
+        tenant = self.job_tenant(job_id) if lane == "bulk" else DEFAULT_TENANT
         for line in lines:
             if line.modality not in pairs:
                 pairs[line.modality] = len(pairs) + 1
                 queue = self.keys.lane_queue(line.modality, lane, job_id)
-                keys += [queue, self.keys.active_jobs(line.modality)]
+                keys += [queue, self.keys.active_jobs(line.modality, tenant)]
         return pairs
 
     # feeds -----------------------------------------------------------------
@@ -303,11 +323,13 @@ class StatusDB:
         lane: str,
         size: int,
         lease_s: float,
+        tokens: int = 0,
     ) -> None:
-        """Count a staged input's ``lines`` in its job and make it a feed, leased to the
-        caller for ``lease_s`` (``release_feed`` offers it to the fleet's feeders)."""
+        """Count a staged input's ``lines`` (``tokens`` their estimate, 0 when not estimated)
+        in its job and its tenant's quota and make it a feed, leased to the caller for
+        ``lease_s`` (``release_feed`` offers it to the fleet's feeders)."""
         keys = [self.keys.job(job_id), self.keys.feed(feed_id), self.keys.feeds()]
-        args = [job_id, feed_id, input_key, lines, lane, self.ttl_s, size, lease_s]
+        args = [job_id, feed_id, input_key, lines, lane, self.ttl_s, size, lease_s, tokens]
         self.scripts("register_feed", keys, args)
 
     def take_feeds(self, lease_s: float, limit: int = 16) -> list[str]:
@@ -393,10 +415,20 @@ class StatusDB:
 
     # reads ---------------------------------------------------------------
     def task(self, task_id: str) -> dict[str, str]:
+        if not valid_id(task_id):
+            return {"state": TaskState.UNKNOWN.value}
         raw: dict[str, str] = self.redis.hgetall(self.keys.task(task_id))  # type: ignore[assignment]
         if raw:
             return _with_state(raw)
         return self.folded_task(task_id) or {"state": TaskState.UNKNOWN.value}
+
+    def task_tenant(self, status: Mapping[str, str]) -> str:
+        """The tenant of a task from its status: its own field, else its job's (a fed task
+        carries none: its job's is the one)."""
+        if status.get("tenant"):
+            return status["tenant"]
+        job_id = status.get("job_id")
+        return self.job_tenant(job_id) if job_id else DEFAULT_TENANT
 
     def folded_task(self, task_id: str) -> dict[str, str] | None:
         """A finished fed task's status, from its job's claims (its id names both)."""
@@ -432,10 +464,14 @@ class StatusDB:
     def states(self, task_ids: Sequence[str]) -> list[TaskState]:
         return [TaskState(t.get("state") or "unknown") for t in self.tasks(task_ids, ("state",))]
 
+    # Reads take ids from callers: one that is not an id never forms a key (``J:custom_ids``
+    # would name a job's claims hash, millions of fields read in one blocking call).
     def job_exists(self, job_id: str) -> bool:
-        return bool(self.redis.exists(self.keys.job(job_id)))
+        return valid_id(job_id) and bool(self.redis.exists(self.keys.job(job_id)))
 
     def job(self, job_id: str) -> JobStatus:
+        if not valid_id(job_id):
+            return JobStatus.unknown(job_id)
         raw: dict[str, str] = self.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
         return JobStatus.from_hash(job_id, raw)
 

@@ -29,14 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from vlmq.config.errors import InvalidRequest, StagingRefused
+from vlmq.config.errors import InvalidRequest, QuotaExceeded, StagingRefused
 from vlmq.config.feeding import FeedCounts, Feeder
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
 from vlmq.config.results import BlobWriter
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.statusdb import new_submission_id
+from vlmq.config.tenants import check_id
 from vlmq.producers.client import Client
+from vlmq.producers.preflight.accumulator import Preflight
 
 __all__ = ["Stager", "SubmitReport", "content_id", "submit_jsonl"]
 
@@ -299,14 +301,24 @@ def submit_jsonl(
     observer: Observer | None = None,
     feed_first_window: bool = True,
     processes: int = 1,
+    tenant: str | None = None,
 ) -> SubmitReport:
-    """Validate and stage ``lines`` into job ``job_id`` and feed its first window (or leave
-    all of it to the fleet's feeders); safe to call again with the same file (only what did
-    not succeed and is not in flight runs)."""
+    """Validate and stage ``lines`` into job ``job_id`` of ``tenant`` (default: the client's)
+    and feed its first window (or leave all of it to the fleet's feeders); safe to call again
+    with the same file (only what did not succeed and is not in flight runs). Raises
+    QuotaExceeded, feeding nothing, when its valid lines would pass the tenant's quota."""
+    tenant = tenant or client.tenant
+    check_id("job id", job_id)
+    client.check_quota(tenant, 0)  # already over it: refused before reading the input
     report = SubmitReport(job_id, started=time.monotonic())
     fleet = client.settings.fleet
+    if observer is None and client.settings.tenants.quota(tenant).max_queued_tokens is not None:
+        # The token quota counts the estimate, taken in the validation pass (one process).
+        observer, processes = Preflight(client.settings), 1
     submission = new_submission_id()
-    number = client.status_db.open_job(job_id, submission, name, completion_window_s, webhook_url)
+    number = client.status_db.open_job(
+        job_id, submission, name, completion_window_s, webhook_url, tenant
+    )
     validation = _Validation(client, job_id, base_dir, stager, observer, processes)
     key = input_key(job_id, submission)
     try:
@@ -320,9 +332,15 @@ def submit_jsonl(
             report.validation_error, size = exc.message, 0
         client.status_db.record_line_errors(job_id, validation.errors, validation.cap)
         if report.validation_error is None and report.valid:
+            tokens = observer.estimated_tokens if isinstance(observer, Preflight) else 0
+            try:
+                client.check_quota(tenant, report.valid, tokens)
+            except QuotaExceeded:
+                client.store.delete(key)
+                raise
             report.feed_id = f"{number}.{submission}"
             client.status_db.register_feed(
-                job_id, report.feed_id, key, report.valid, lane, size, fleet.feed_lease_s
+                job_id, report.feed_id, key, report.valid, lane, size, fleet.feed_lease_s, tokens
             )
             _feed_first_window(client, report.feed_id, chunk, report, feed_first_window)
         else:

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from vlmq.config.errors import ConfigError
+from vlmq.config.errors import ConfigError, VlmqError
 from vlmq.config.logs import LOG_FORMATS, configure_logging
 
 __all__ = ["cli", "main"]
@@ -29,6 +29,7 @@ _COMMANDS = {
     "status": "vlmq.producers.commands:status",
     "results": "vlmq.producers.commands:results",
     "cancel": "vlmq.producers.commands:cancel",
+    "usage": "vlmq.producers.commands:usage",
     "serve": "vlmq.producers.serve:serve",
     "healthcheck": "vlmq.producers.healthcheck:healthcheck",
 }
@@ -76,3 +77,6 @@ def main(argv: list[str] | None = None) -> Any:
     except ConfigError as exc:  # a setting or install that cannot work: say which, no trace
         click.echo(f"Error: {exc}", err=True)
         sys.exit(2)
+    except VlmqError as exc:  # refused input or a quota: the message says why, no trace
+        click.echo(f"Error: {exc.message} ({exc.code})", err=True)
+        sys.exit(1)

@@ -26,12 +26,15 @@ from vlmq.config.connection import create_redis
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
+from vlmq.config.quotas import check_quota
 from vlmq.config.results import ResultStore, open_store, result_location
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL, TaskState
 from vlmq.config.statusdb import Queued, StatusDB, new_submission_id
+from vlmq.config.tenants import check_id
 from vlmq.config.wire import encode_message, list_for_priority
+from vlmq.producers.preflight.accumulator import Preflight
 from vlmq.producers.staging import MediaStager
 
 __all__ = ["Client", "as_request"]
@@ -60,10 +63,15 @@ class Client:
         store: ResultStore | None = None,
         *,
         local_media: bool = True,
+        tenant: str | None = None,
     ) -> None:
         """``local_media`` False: media paths are never read from this machine's disk (they go
-        as they are, for the workers' own allowlist): for a server acting for remote callers."""
+        as they are, for the workers' own allowlist): for a server acting for remote callers.
+        ``tenant`` (default ``settings.tenant``) owns what this client submits; the API passes
+        each caller's tenant per call instead."""
         self.settings = settings
+        self.tenant = tenant or settings.tenant
+        self._preflight: Preflight | None = None
         self.redis = redis or create_redis(settings)
         self.keys = Keys(settings.fleet.key_prefix)
         self.status_db = StatusDB(
@@ -90,9 +98,34 @@ class Client:
             self._stager = MediaStager(self.settings, self._store, local_files=self.local_media)
         return self._stager
 
+    # quotas --------------------------------------------------------------
+    def estimates(
+        self, requests: list[Request], tenant: str, base_dir: Path | None = None
+    ) -> list[int] | None:
+        """Each request's estimated tokens (prompt incl. visual tokens, plus its output
+        tokens), the worker's own arithmetic; None when the tenant has no token quota (the
+        estimate reads image headers: it is not paid for where nothing limits tokens)."""
+        if self.settings.tenants.quota(tenant).max_queued_tokens is None:
+            return None
+        if self._preflight is None:
+            self._preflight = Preflight(self.settings)
+        estimates = (self._preflight.estimate(r, base_dir) for r in requests)
+        return [e.prompt_tokens + e.output_tokens for e in estimates]
+
+    def check_quota(self, tenant: str, tasks: int, tokens: int = 0) -> None:
+        """QuotaExceeded when ``tasks`` more (``tokens`` their estimate) would pass the
+        tenant's quota; nothing is enqueued then."""
+        quota = self.settings.tenants.quota(tenant)
+        check_quota(self.redis, self.keys, tenant, quota, tasks, tokens)
+
     # enqueue -------------------------------------------------------------
     def queued(
-        self, request: Request, lane: str = "bulk", expires: datetime | None = None
+        self,
+        request: Request,
+        lane: str = "bulk",
+        expires: datetime | None = None,
+        tenant: str | None = None,
+        est: int | None = None,
     ) -> Queued:
         """``request`` as it is enqueued: its queue, status fields and Celery message."""
         queue = self.keys.lane_queue(request.modality.value, lane, request.job_id)
@@ -102,6 +135,8 @@ class Client:
             "modality": request.modality.value,
             "queue": queue,
             "expires_at": f"{expires.timestamp():.3f}" if expires else None,
+            "tenant": tenant or self.tenant,
+            "est": est,
         }
         wire = request.model_dump_json(exclude_none=True)
         message = encode_message(wire, request.id, queue, expires=expires)
@@ -113,25 +148,35 @@ class Client:
         requests: list[Request],
         lane: str = "interactive",
         expires: datetime | None = None,
+        tenant: str | None = None,
+        estimates: list[int] | None = None,
     ) -> None:
         """Write status hashes and messages of requests outside any bulk job (a lane's
         own list) into the caller's pipeline: two commands per task, one push per list.
+        Each counts in its tenant's quota itself (its 'quota' field; scripts.lua, quotas).
         A bulk job's tasks go through ``StatusDB.submit_tasks`` or a feed instead."""
+        tenant = tenant or self.tenant
+        quota = self.keys.quota(tenant)
         pushes: dict[str, list[str]] = {}
         jobs: dict[str, int] = {}
-        for request in requests:
+        for index, request in enumerate(requests):
             if request.job_id is not None and lane == "bulk":
                 raise InvalidRequest(
                     "a bulk job's tasks are submitted with submit_many or vlmq submit"
                 )
-            line = self.queued(request, lane, expires)
-            self.status_db.add_queued(pipe, request.id, line.fields, count_job=False)
+            est = estimates[index] if estimates else None
+            line = self.queued(request, lane, expires, tenant, est)
+            fields = {**line.fields, "quota": quota}
+            self.status_db.add_queued(pipe, request.id, fields, count_job=False)
             queue = str(line.fields["queue"])
             pushes.setdefault(list_for_priority(queue, 0), []).append(line.message)
             if request.job_id:
                 jobs[request.job_id] = jobs.get(request.job_id, 0) + 1
         for job_id, count in jobs.items():
             self.status_db.count_queued(pipe, job_id, count)
+        pipe.hincrby(quota, "tasks", len(requests))
+        if estimates:
+            pipe.hincrby(quota, "tokens", sum(estimates))
         for name, messages in pushes.items():
             pipe.lpush(name, *messages)
 
@@ -142,16 +187,21 @@ class Client:
         lane: str = "interactive",
         expires_in_s: float | None = None,
         base_dir: Path | None = None,
+        tenant: str | None = None,
         **fields: Any,
     ) -> str:
         """Validate, stage its media and enqueue one conversation; returns its task id.
-        Relative media paths resolve against ``base_dir`` (default: the working directory)."""
+        Relative media paths resolve against ``base_dir`` (default: the working directory).
+        Raises QuotaExceeded (nothing enqueued) past the tenant's quota."""
+        tenant = tenant or self.tenant
         request = as_request(conversation, **fields)
         self._refuse_known_ids([request])
+        estimates = self.estimates([request], tenant, base_dir)
+        self.check_quota(tenant, 1, sum(estimates or ()))
         request = self.stager.stage(request, base_dir)
         expires = self.expiry_after(expires_in_s)
         pipe = self.redis.pipeline(transaction=True)
-        self.enqueue(pipe, [request], lane, expires)
+        self.enqueue(pipe, [request], lane, expires, tenant, estimates)
         pipe.execute()
         return request.id
 
@@ -166,18 +216,23 @@ class Client:
         name: str | None = None,
         webhook_url: str | None = None,
         base_dir: Path | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Validate all, stage their media, then enqueue in pipelined chunks; returns the job id.
 
         Every item is validated and its media staged before anything is enqueued, so a bad
         item raises InvalidRequest (naming the item and field; StagingRefused when its media
-        can reach no worker) and enqueues nothing.
+        can reach no worker) and enqueues nothing; past the tenant's quota QuotaExceeded.
         """
-        job_id = job_id or uuid.uuid4().hex
+        tenant = tenant or self.tenant
+        job_id = check_id("job id", job_id or uuid.uuid4().hex)
         requests = [_validated(item, index, job_id) for index, item in enumerate(items)]
         self._refuse_known_ids(requests)
+        estimates = self.estimates(requests, tenant, base_dir)
+        self.check_quota(tenant, len(requests), sum(estimates or ()))
+        est = dict(zip((r.id for r in requests), estimates or (), strict=False))
         requests = self._staged(requests, base_dir)
-        submission = self.open_job(job_id, name, expires_in_s, webhook_url)
+        submission = self.open_job(job_id, name, expires_in_s, webhook_url, tenant)
         expires = self.expiry_after(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
             # Requests about one image or clip next to each other: one pull takes them to
@@ -185,10 +240,14 @@ class Client:
             batch.sort(key=Request.media_sources)
             if lane == "bulk":
                 # Every item is a new task (no custom_id claims: ids are the caller's).
-                lines = [replace(self.queued(r, lane, expires), custom_id=None) for r in batch]
+                lines = [
+                    replace(self.queued(r, lane, expires, tenant, est.get(r.id)), custom_id=None)
+                    for r in batch
+                ]
                 self.status_db.submit_tasks(job_id, submission, lines)
             else:
-                self._enqueue_in_lane(job_id, batch, lane, expires)
+                estimated = [est[r.id] for r in batch] if est else None
+                self._enqueue_in_lane(job_id, batch, lane, expires, tenant, estimated)
         self.seal_job(job_id, submission, lines=len(requests))
         return job_id
 
@@ -201,11 +260,17 @@ class Client:
         return cast(list[Request], staged)
 
     def _enqueue_in_lane(
-        self, job_id: str, requests: list[Request], lane: str, expires: datetime | None
+        self,
+        job_id: str,
+        requests: list[Request],
+        lane: str,
+        expires: datetime | None,
+        tenant: str,
+        estimates: list[int] | None,
     ) -> None:
         """A job's tasks in the interactive lane: the lane's list, the job's counts."""
         pipe = self.redis.pipeline(transaction=True)
-        self.enqueue(pipe, requests, lane, expires)
+        self.enqueue(pipe, requests, lane, expires, tenant, estimates)
         pipe.rpush(self.keys.job_tasks(job_id), *[r.id for r in requests])
         pipe.expire(self.keys.job_tasks(job_id), self.status_db.ttl_s)  # after the push
         pipe.execute()
@@ -238,11 +303,13 @@ class Client:
         name: str | None = None,
         expires_in_s: float | None = None,
         webhook_url: str | None = None,
+        tenant: str | None = None,
     ) -> str:
-        """Open (or reopen) a job for one submitter; returns its submission id, which
-        ``seal_job`` takes when that submitter is done adding."""
+        """Open (or reopen) a job of ``tenant`` for one submitter; returns its submission id,
+        which ``seal_job`` takes when that submitter is done adding."""
         submission = new_submission_id()
-        self.status_db.open_job(job_id, submission, name, expires_in_s, webhook_url)
+        tenant = tenant or self.tenant
+        self.status_db.open_job(job_id, submission, name, expires_in_s, webhook_url, tenant)
         return submission
 
     def seal_job(self, job_id: str, submission: str, lines: int = 0, line_errors: int = 0) -> None:
@@ -276,6 +343,7 @@ class Client:
     # cancel ----------------------------------------------------------------
     def cancel(self, task_or_job_id: str) -> int:
         """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
+        check_id("job or task id", task_or_job_id)
         fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
         if self.status_db.job_exists(task_or_job_id):
             job_id = task_or_job_id

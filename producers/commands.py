@@ -18,8 +18,11 @@ from typing import IO, Any
 
 import click
 
+from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
+from vlmq.config.tenants import check_id
+from vlmq.config.usage import usage_report
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import (
@@ -198,19 +201,23 @@ def submit(
     client.stager.on_progress = keep
 
     with _input_lines(client, input_path) as (lines, base_dir):
-        report = submit_jsonl(
-            client,
-            lines,
-            job_id,
-            lane=priority,
-            completion_window_s=parse_window(completion_window),
-            webhook_url=webhook,
-            name=job_name,
-            base_dir=base_dir,
-            on_progress=show,
-            stager=client.stager,
-            processes=processes or _processes_for(input_path),
-        )
+        try:
+            report = submit_jsonl(
+                client,
+                lines,
+                job_id,
+                lane=priority,
+                completion_window_s=parse_window(completion_window),
+                webhook_url=webhook,
+                name=job_name,
+                base_dir=base_dir,
+                on_progress=show,
+                stager=client.stager,
+                processes=processes or _processes_for(input_path),
+            )
+        except (QuotaExceeded, InvalidRequest) as exc:  # the tenant's quota, a bad job id
+            click.echo(err=True)
+            raise click.ClickException(f"job {job_id} was not submitted: {exc.message}") from None
     show(report)
     click.echo(err=True)
     if report.validation_error:
@@ -324,6 +331,36 @@ def results(job_id: str, output: Path, errors: Path | None, fmt: str) -> None:
     if not client.status_db.job_exists(job_id):
         raise click.ClickException(f"unknown job {job_id}")
     _write_files(client, job_id, output, errors, fmt)
+
+
+@click.command("usage")
+@click.option("--tenant", "tenants", multiple=True, help="A tenant (repeat; default: all).")
+@click.option("--job", "job_id", default=None, help="One job's usage instead.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
+    """Prompt tokens (visual included), completion tokens, requests and model seconds per
+    tenant (or of one job), by model and modality."""
+    client = _client()
+    if job_id is not None:
+        check_id("job id", job_id)
+    report = usage_report(client.redis, client.keys, tenants or None, job_id)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        return
+    sections = [report] if job_id is not None else report["tenants"]
+    for section in sections:
+        totals = section["totals"]
+        click.echo(
+            f"{section.get('tenant') or 'job ' + str(job_id)}: {totals['requests']:,} requests, "
+            f"{totals['prompt_tokens']:,} prompt + {totals['completion_tokens']:,} completion "
+            f"tokens, {totals['model_seconds']:.1f} model s"
+        )
+        for row in section["by"]:
+            click.echo(
+                f"  {row['model']} {row['modality']}: {row['requests']:,} requests, "
+                f"{row['prompt_tokens']:,} + {row['completion_tokens']:,} tokens, "
+                f"{row['model_seconds']:.1f} s"
+            )
 
 
 @click.command("cancel")

@@ -1,7 +1,7 @@
 """``vlmq serve``: run the HTTP API (FastAPI on uvicorn).
 
 Without an API key configured the API is open to anyone who can reach it, so
-it then binds only to a loopback address and says so.
+it then binds only to a loopback address, answers loopback Host names only, and says so.
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ def serve(host: str | None, port: int | None) -> None:
     settings = Settings()
     host = host or settings.api.host
     port = port or settings.api.port
-    if not settings.api.api_keys:
+    api = settings.api
+    if not (api.api_keys or api.tenant_keys or api.admin_keys):
         if not is_loopback(host):
             raise click.UsageError(
                 f"refusing to serve without API keys on {host}: set VLMQ_API__API_KEYS "
-                "(a JSON list) or bind to 127.0.0.1"
+                "(a JSON list) or VLMQ_API__TENANT_KEYS (a JSON object key -> tenant), or "
+                "bind to 127.0.0.1"
             )
         click.echo(
             f"vlmq serve: no API keys configured: unauthenticated, loopback only ({host})",

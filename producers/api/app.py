@@ -1,7 +1,7 @@
 """The HTTP API application: ``create_app(settings)`` builds it, ``vlmq serve`` runs it.
 
 Producer side only: it imports nothing from ``workers`` and never torch.
-Request flow: metrics → gate (API key, rate limit, body cap) → routes, each
+Request flow: metrics → gate (Host, API key → tenant, rate limit, body cap) → routes, each
 answering errors as ``{"error": {"code", "message"}}``.
 """
 
@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from vlmq import __version__
 from vlmq.config.settings import Settings
-from vlmq.producers.api import health, jobs, openai_batches, tasks
-from vlmq.producers.api.auth import bearer_scheme
+from vlmq.producers.api import health, jobs, openai_batches, tasks, usage
+from vlmq.producers.api.auth import KeyBook, bearer_scheme
 from vlmq.producers.api.batches import BatchService
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import install_error_handlers
@@ -31,11 +31,15 @@ __all__ = ["create_app"]
 
 
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
+    """The API for ``settings``; raises ConfigError for keys it refuses (too short, a bad
+    tenant name, one key for two tenants)."""
+    keys = KeyBook(settings.api)
+    # A server acts for remote callers: it never reads media paths from its own disk.
+    client = client or Client(settings, local_media=False)
     ctx = ApiContext(
         settings=settings,
-        # A server acts for remote callers: it never reads media paths from its own disk.
-        client=client or Client(settings, local_media=False),
-        limiter=RateLimiter(settings.api.rate_limit_per_s, settings.api.rate_limit_burst),
+        client=client,
+        limiter=RateLimiter(settings, client.redis, client.keys),
     )
 
     files = FileRegistry(ctx.client)
@@ -57,7 +61,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     app.state.batches = batches
     install_error_handlers(app)
     secured = [Depends(bearer_scheme)]
-    for router in (tasks.router, jobs.router, openai_batches.router):
+    for router in (tasks.router, jobs.router, openai_batches.router, usage.router):
         app.include_router(router, dependencies=secured)
     app.include_router(health.router)
     # Operational, not part of the API contract (Prometheus text format).
@@ -65,7 +69,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         "/metrics", _metrics, methods=["GET"], dependencies=secured, include_in_schema=False
     )
     # Added last = outermost: metrics see every answer, the gate's refusals too.
-    app.add_middleware(Gate, settings=settings.api, limiter=ctx.limiter)
+    app.add_middleware(Gate, settings=settings.api, keys=keys, limiter=ctx.limiter)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from vlmq.config.tenants import Caller, owner_of
 from vlmq.producers.client import Client
 
 __all__ = ["BatchRecords", "new_batch_id", "valid_batch_id"]
@@ -39,20 +40,25 @@ class BatchRecords:
         return self.keys.batch(batch_id)
 
     def create(self, batch_id: str, fields: dict[str, str]) -> None:
+        """A new batch record, listed for everyone's view and for its tenant's."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.key(batch_id), mapping={k: v for k, v in fields.items()})
         pipe.expire(self.key(batch_id), self.ttl_s)
         now = time.time()
-        pipe.zadd(self.index, {batch_id: now})
-        # Entries older than a record's ttl name records Redis already dropped.
-        pipe.zremrangebyscore(self.index, "-inf", now - self.ttl_s)
+        for index in (self.index, self.keys.batches_index(owner_of(fields))):
+            pipe.zadd(index, {batch_id: now})
+            # Entries older than a record's ttl name records Redis already dropped.
+            pipe.zremrangebyscore(index, "-inf", now - self.ttl_s)
         pipe.execute()
 
-    def get(self, batch_id: str) -> dict[str, str] | None:
+    def get(self, batch_id: str, caller: Caller | None = None) -> dict[str, str] | None:
+        """The record, or None: no such batch, or (``caller``) another tenant's."""
         if not valid_batch_id(batch_id):
             return None
         raw: dict[str, str] = self.redis.hgetall(self.key(batch_id))  # type: ignore[assignment]
-        return raw or None
+        if not raw or (caller is not None and not caller.may_see(raw)):
+            return None
+        return raw
 
     def update(self, batch_id: str, **fields: Any) -> None:
         self.redis.hset(self.key(batch_id), mapping={k: str(v) for k, v in fields.items()})

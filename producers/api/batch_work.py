@@ -24,6 +24,7 @@ from typing import Any
 
 from vlmq.config.errors import VlmqError
 from vlmq.config.results import BlobWriter
+from vlmq.config.tenants import owner_of
 from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.api.files import FileRegistry
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
@@ -166,6 +167,7 @@ class BatchWork:
                 on_progress=progress,
                 stager=self.client.stager,
                 observer=preflight,
+                tenant=owner_of(record),
             )
             if preflight is not None:
                 self.records.update(batch_id, preflight=json.dumps(_preflight_summary(preflight)))
@@ -179,7 +181,7 @@ class BatchWork:
         except _CancelRequested:
             # The job must be sealed to finish (opened first: it may be cancelled before a
             # line was read); then cancel the last chunk too.
-            submission = self.client.open_job(batch_id)
+            submission = self.client.open_job(batch_id, tenant=owner_of(record))
             self.client.seal_job(batch_id, submission, lines=report.lines)
             self.client.cancel(batch_id)
         self.records.mark_once(batch_id, "submitted_at")
@@ -236,8 +238,11 @@ class BatchWork:
             for line_error in iter_line_errors(self.client, batch_id):
                 errors.add(to_openai_error(line_error))
         # Listed only once both are complete in the store.
-        self.files.register(output_id, output.bytes, f"{batch_id}_output.jsonl", "batch_output")
-        self.files.register(error_id, errors.bytes, f"{batch_id}_error.jsonl", "batch_output")
+        tenant = owner_of(self.records.get(batch_id) or {})
+        for file_id, out, suffix in ((output_id, output, "output"), (error_id, errors, "error")):
+            self.files.register(
+                file_id, out.bytes, f"{batch_id}_{suffix}.jsonl", "batch_output", tenant
+            )
         self.records.update(batch_id, output_count=output.records, error_count=errors.records)
         self.records.update(batch_id, finalized_at=int(time.time()))
 

@@ -13,6 +13,7 @@ import time
 from itertools import islice
 from typing import Any
 
+from vlmq.config.tenants import Caller
 from vlmq.producers.api.batch_records import BatchRecords, new_batch_id
 from vlmq.producers.api.batch_work import BatchWork, output_file_ids
 from vlmq.producers.api.errors import ApiError
@@ -49,13 +50,15 @@ class BatchService:
         self.work = BatchWork(client, files, self.records)
 
     # create ------------------------------------------------------------------
-    def create(self, body: BatchCreate) -> BatchObject:
+    def create(self, body: BatchCreate, caller: Caller) -> BatchObject:
         _check_body(body)
-        source = self.files.get(body.input_file_id)
+        source = self.files.get(body.input_file_id, caller)
         if source is None:
             raise ApiError(404, "not_found", "input_file_id: no such file")
         if source.purpose != "batch":
             raise ApiError(422, "invalid_request", "input_file_id: the file's purpose is not batch")
+        # A tenant already at its quota is refused now (429), not after its file was read.
+        self.client.check_quota(caller.tenant, 0)
         batch_id = new_batch_id()
         fields = {
             "id": batch_id,
@@ -64,14 +67,16 @@ class BatchService:
             "completion_window": body.completion_window,
             "created_at": str(int(time.time())),
             "metadata": json.dumps(body.metadata or {}),
+            "tenant": caller.tenant,
         }
         self.records.create(batch_id, fields)
         self.work.start_submission(batch_id)
         return self.get(batch_id)
 
     # read --------------------------------------------------------------------
-    def get(self, batch_id: str) -> BatchObject:
-        record = self.records.get(batch_id)
+    def get(self, batch_id: str, caller: Caller | None = None) -> BatchObject:
+        """The batch; 404 for no such batch or (``caller``) another tenant's."""
+        record = self.records.get(batch_id, caller)
         if record is None:
             raise ApiError(404, "not_found", "no such batch")
         return self._object(batch_id, record)
@@ -146,17 +151,22 @@ class BatchService:
         ]
         return BatchErrors(data=data)
 
-    def list(self, limit: int, after: str | None) -> tuple[list[BatchObject], bool]:
+    def list(self, limit: int, after: str | None, caller: Caller) -> tuple[list[BatchObject], bool]:
+        """Newest first: the caller's tenant's batches (an admin's: all)."""
+
         def load(batch_id: str) -> BatchObject | None:
-            record = self.records.get(batch_id)
+            record = self.records.get(batch_id, caller)
             return self._object(batch_id, record) if record else None
 
-        return newest_first(self.client, self.records.index, load, limit, after)
+        index = self.records.index
+        if not caller.admin:
+            index = self.client.keys.batches_index(caller.tenant)
+        return newest_first(self.client, index, load, limit, after)
 
     # cancel --------------------------------------------------------------------
-    def cancel(self, batch_id: str) -> BatchObject:
+    def cancel(self, batch_id: str, caller: Caller) -> BatchObject:
         """Queued requests never run; running ones finish; the batch ends cancelled."""
-        batch = self.get(batch_id)
+        batch = self.get(batch_id, caller)
         if batch.status in _FINISHED:
             return batch
         self.records.mark_once(batch_id, "cancelling_at")
@@ -165,14 +175,15 @@ class BatchService:
         return self.get(batch_id)
 
     # generated files -----------------------------------------------------------
-    def ensure_output(self, file_id: str) -> bool:
+    def ensure_output(self, file_id: str, caller: Caller | None = None) -> bool:
         """Write a finished batch's output files now if they are asked for first.
 
-        Returns False when ``file_id`` is not a batch output file; raises 409
-        when its batch has not finished (or another process is writing them).
+        Returns False when ``file_id`` is not a batch output file (or, ``caller``, one of
+        another tenant's batches: it is then not found); raises 409 when its batch has not
+        finished (or another process is writing them).
         """
         batch_id = _batch_of_output(file_id)
-        if batch_id is None or self.records.get(batch_id) is None:
+        if batch_id is None or self.records.get(batch_id, caller) is None:
             return False
         if self.files.get(file_id) is not None:
             return True

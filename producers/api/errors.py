@@ -9,6 +9,7 @@ unexpected (500 ``internal_error``) into that one shape.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import redis
@@ -18,7 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlmq.config.errors import InvalidRequest, RetryableError, VlmqError
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.config.errors import InvalidRequest, QuotaExceeded, RetryableError, VlmqError
 
 __all__ = [
     "ApiError",
@@ -91,6 +93,8 @@ def _validation_message(exc: RequestValidationError) -> str:
 def _status_of(exc: VlmqError) -> int:
     if isinstance(exc, InvalidRequest):
         return 422
+    if isinstance(exc, QuotaExceeded):
+        return 429
     if isinstance(exc, RetryableError):
         return 503
     return 500
@@ -108,7 +112,10 @@ async def _on_vlmq_error(request: Request, exc: Exception) -> JSONResponse:
         log.warning("request failed: %s", exc.code)
     message = exc.message if status < 500 or exc.retryable else "internal error"
     code = exc.code if status < 500 or exc.retryable else "internal_error"
-    return error_response(status, code, message)
+    headers = None
+    if isinstance(exc, QuotaExceeded):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+    return error_response(status, code, message, headers)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -128,6 +135,11 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_redis_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, redis.ResponseError) and not isinstance(exc, TRANSIENT_REDIS_ERRORS):
+        # Redis answered, and refused the command: a bug or a misconfigured Redis, not an
+        # outage (READONLY during a failover and OOM are transient: 503 below).
+        log.error("redis refused a command on %s: %s", request.url.path, type(exc).__name__)
+        return error_response(500, "internal_error", "internal error")
     log.warning("redis unavailable: %s", type(exc).__name__)
     return error_response(503, "broker_unavailable", "the queue is not reachable")
 

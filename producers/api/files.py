@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from vlmq.config.results import BlobWriter
+from vlmq.config.tenants import DEFAULT_TENANT, Caller
 from vlmq.producers.api.openai_models import FileObject
 from vlmq.producers.client import Client
 
@@ -66,6 +67,7 @@ class FileRegistry:
         purpose: str,
         file_id: str | None = None,
         max_bytes: int | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> FileObject:
         """Write the chunks to the store as they come, then register the file.
 
@@ -80,7 +82,7 @@ class FileRegistry:
                 if max_bytes is not None and size > max_bytes:
                     raise FileTooLarge(file_id)
                 out.write(chunk)
-        return self.register(file_id, size, filename, purpose)
+        return self.register(file_id, size, filename, purpose, tenant)
 
     def writer(self, file_id: str) -> BlobWriter:
         """A writer for the file's content; ``register`` the file once it is closed."""
@@ -88,32 +90,39 @@ class FileRegistry:
             raise ValueError("not a file id")
         return self.client.store.writer(content_key(file_id), "application/jsonl")
 
-    def register(self, file_id: str, size: int, filename: str, purpose: str) -> FileObject:
-        """List a file whose content is already in the store: content first, then the
-        metadata, so a listed file always has content."""
+    def register(
+        self, file_id: str, size: int, filename: str, purpose: str, tenant: str = DEFAULT_TENANT
+    ) -> FileObject:
+        """List a file of ``tenant`` whose content is already in the store: content first,
+        then the metadata, so a listed file always has content."""
         meta = {
             "id": file_id,
             "bytes": size,
             "created_at": int(time.time()),
             "filename": filename,
             "purpose": purpose,
+            "tenant": tenant,
         }
         key = self.client.keys.file(file_id)
         pipe = self.client.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={k: str(v) for k, v in meta.items()})
         ttl_s, now = self.client.settings.fleet.task_ttl_s, time.time()
         pipe.expire(key, ttl_s)
-        pipe.zadd(self.index, {file_id: now})
-        # Entries older than a record's ttl name records Redis already dropped.
-        pipe.zremrangebyscore(self.index, "-inf", now - ttl_s)
+        for index in (self.index, self.client.keys.files_index(tenant)):
+            pipe.zadd(index, {file_id: now})
+            # Entries older than a record's ttl name records Redis already dropped.
+            pipe.zremrangebyscore(index, "-inf", now - ttl_s)
         pipe.execute()
         return _file_object(meta)
 
-    def get(self, file_id: str) -> FileObject | None:
+    def get(self, file_id: str, caller: Caller | None = None) -> FileObject | None:
+        """The file, or None: no such file, or (``caller``) one another tenant owns."""
         if not valid_file_id(file_id):
             return None
         raw: dict[str, str] = self.client.redis.hgetall(self.client.keys.file(file_id))  # type: ignore[assignment]
-        return _file_object(raw) if raw else None
+        if not raw or (caller is not None and not caller.may_see(raw)):
+            return None
+        return _file_object(raw)
 
     def size(self, file_id: str) -> int | None:
         """The stored content's size, or None when it is missing."""
@@ -134,9 +143,17 @@ class FileRegistry:
             return iter(())
         return self.client.store.lines(content_key(file_id), start)
 
-    def list(self, limit: int, after: str | None = None) -> tuple[list[FileObject], bool]:
-        """Newest first; ``after`` is the last id of the previous page."""
-        return newest_first(self.client, self.index, self.get, limit, after)
+    def list(
+        self, limit: int, after: str | None = None, caller: Caller | None = None
+    ) -> tuple[list[FileObject], bool]:
+        """Newest first, the caller's tenant's (an admin's: all); ``after`` is the last id of
+        the previous page."""
+        index = self.index
+        if caller is not None and not caller.admin:
+            index = self.client.keys.files_index(caller.tenant)
+        return newest_first(
+            self.client, index, lambda file_id: self.get(file_id, caller), limit, after
+        )
 
 
 def _file_object(meta: dict[str, Any]) -> FileObject:

@@ -1,8 +1,10 @@
-"""The gate every request passes before any route runs: key, rate, body size.
+"""The gate every request passes before any route runs: Host, key, rate, body size.
 
 It is plain ASGI middleware, so an unauthenticated or rate-limited caller is
 turned away before a byte of its body is read, and the body cap is enforced
 while the body streams in (a lying or absent Content-Length does not help).
+The caller a key stands for is left in the request's state for the routes
+(``auth.caller_of``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmq.config.settings import ApiSettings
-from vlmq.producers.api.auth import is_public, principal_of
+from vlmq.config.tenants import DEFAULT_TENANT, Caller
+from vlmq.producers.api.auth import KeyBook, is_loopback_host, is_public
 from vlmq.producers.api.errors import error_response
 from vlmq.producers.api.limits import RateLimiter
 
@@ -29,9 +33,12 @@ class _BodyTooLarge(Exception):
 
 
 class Gate:
-    def __init__(self, app: ASGIApp, settings: ApiSettings, limiter: RateLimiter) -> None:
+    def __init__(
+        self, app: ASGIApp, settings: ApiSettings, keys: KeyBook, limiter: RateLimiter
+    ) -> None:
         self.app = app
         self.settings = settings
+        self.keys = keys
         self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -39,39 +46,51 @@ class Gate:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        refusal = self._refusal(scope, headers)
+        refusal = await self._refusal(scope, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
         await self._capped(scope, receive, send, self._body_cap(scope))
 
-    def _refusal(self, scope: Scope, headers: Headers) -> Any:
+    async def _refusal(self, scope: Scope, headers: Headers) -> Any:
         """The response turning this request away before its body, or None."""
+        if self.keys.open and not is_loopback_host(headers.get("host")):
+            # No key guards this server: only a client on this machine, by a loopback name.
+            return error_response(
+                400, "invalid_host", "a server without API keys answers loopback host names only"
+            )
         if not is_public(scope["path"]):
-            caller = self._caller(scope, headers)
-            if caller is None:
-                return error_response(
-                    401,
-                    "unauthorized",
-                    "a valid API key is required (Authorization: Bearer <key>)",
-                    {"WWW-Authenticate": "Bearer"},
-                )
-            wait = self.limiter.take(caller)
-            if wait > 0:
-                retry = str(max(1, math.ceil(min(wait, 3600))))
-                return error_response(
-                    429, "rate_limited", "too many requests", {"Retry-After": retry}
-                )
+            refusal = await self._admit(scope, headers)
+            if refusal is not None:
+                return refusal
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._body_cap(scope):
             return _too_large()
         return None
 
-    def _caller(self, scope: Scope, headers: Headers) -> str | None:
-        if self.settings.api_keys:
-            return principal_of(headers.get("authorization"), self.settings.api_keys)
-        client = scope.get("client")
-        return f"addr:{client[0] if client else 'unknown'}"
+    async def _admit(self, scope: Scope, headers: Headers) -> Any:
+        """Identify the caller and spend one of its tenant's tokens; a refusal or None."""
+        if self.keys.open:
+            caller: Caller | None = Caller(DEFAULT_TENANT, admin=True)
+        else:
+            caller = self.keys.caller(headers.get("authorization"))
+        if caller is None:
+            client = scope.get("client")
+            address = client[0] if client else "unknown"
+            wait = await run_in_threadpool(self.limiter.take_address, address)
+            if wait > 0:
+                return _rate_limited(wait)
+            return error_response(
+                401,
+                "unauthorized",
+                "a valid API key is required (Authorization: Bearer <key>)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        wait = await run_in_threadpool(self.limiter.take_tenant, caller.tenant)
+        if wait > 0:
+            return _rate_limited(wait)
+        scope.setdefault("state", {})["caller"] = caller
+        return None
 
     def _body_cap(self, scope: Scope) -> int:
         if scope["method"] == "POST" and scope["path"] in _UPLOAD_PATHS:
@@ -106,6 +125,11 @@ class Gate:
                 raise
         if tripped and not started:
             await _too_large()(scope, receive, send)
+
+
+def _rate_limited(wait: float) -> Any:
+    retry = str(max(1, math.ceil(min(wait, 3600))))
+    return error_response(429, "rate_limited", "too many requests", {"Retry-After": retry})
 
 
 def _too_large() -> Any:

@@ -1,52 +1,60 @@
-"""Rate limiting (a token bucket per caller) and Redis's memory headroom, as the API reads
-them before taking work (the bounded-queue check itself is ``queues.py``).
-
-The bucket lives in the API process: with several API processes each allows
-``rate_limit_per_s``; a shared limiter belongs in front of them (a proxy).
-"""
+"""Request rates (a token bucket per tenant, in Redis, shared by every API process) and
+Redis's memory headroom, as the API reads them before taking work (the bounded-queue check
+itself is ``queues.py``, the queued-work quota ``config/quotas.py``)."""
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
-from redis import Redis
+from redis import Redis, RedisError
+
+from vlmq.config.keys import Keys
+from vlmq.config.scripts import Scripts
+from vlmq.config.settings import Settings
 
 __all__ = ["MemoryGauge", "RateLimiter"]
 
+log = logging.getLogger(__name__)
+
 
 class RateLimiter:
-    """One token bucket per caller: ``burst`` tokens, refilled at ``per_s``."""
+    """Token buckets in Redis: a tenant's (its quota's rate, else the API's) and, for callers
+    without a valid key, one per client address (``unauthenticated_rate_limit_*``)."""
 
-    def __init__(self, per_s: float, burst: int, max_callers: int = 100_000) -> None:
-        self.per_s = per_s
-        self.burst = max(1, burst)
-        # caller -> (tokens, last refill); oldest callers are forgotten first,
-        # so a flood of client addresses cannot grow this without bound.
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        self._max_callers = max_callers
-        self._lock = threading.Lock()
+    def __init__(self, settings: Settings, redis: Redis, keys: Keys) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.scripts = Scripts(redis)
 
-    def take(self, caller: str, now: float | None = None) -> float:
-        """Spend one token; returns 0 when allowed, else seconds until one is free."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            tokens, last = self._buckets.pop(caller, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - last) * self.per_s)
-            wait = 0.0
-            if tokens >= 1:
-                tokens -= 1
-            elif self.per_s > 0:
-                wait = (1 - tokens) / self.per_s
-            else:
-                wait = math.inf
-            self._buckets[caller] = (tokens, now)
-            while len(self._buckets) > self._max_callers:
-                self._buckets.popitem(last=False)
-            return wait
+    def take_tenant(self, tenant: str) -> float:
+        """Spend one of the tenant's tokens; 0 when allowed, else seconds until one is free."""
+        api, quota = self.settings.api, self.settings.tenants.quota(tenant)
+        per_s = (
+            quota.rate_limit_per_s if quota.rate_limit_per_s is not None else api.rate_limit_per_s
+        )
+        burst = quota.rate_limit_burst or api.rate_limit_burst
+        return self._take(f"t:{tenant}", per_s, burst)
+
+    def take_address(self, address: str) -> float:
+        api = self.settings.api
+        return self._take(
+            f"a:{address}",
+            api.unauthenticated_rate_limit_per_s,
+            api.unauthenticated_rate_limit_burst,
+        )
+
+    def _take(self, caller: str, per_s: float, burst: int) -> float:
+        try:
+            reply = self.scripts("rate", [self.keys.rate_bucket(caller)], [per_s, burst])
+        except RedisError as exc:
+            # Without Redis no work is taken anyway (the routes answer 503): let it through
+            # to that answer rather than refuse with a made-up rate.
+            log.warning("rate limit not checked: Redis %s", type(exc).__name__)
+            return 0.0
+        return float(reply)
 
 
 class MemoryGauge:

@@ -15,6 +15,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from vlmq.config.results import READ_CHUNK
 from vlmq.config.schemas import Modality
+from vlmq.config.tenants import Caller
+from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.batches import BatchService
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses
@@ -58,6 +60,7 @@ def upload_file(
     purpose: Literal["batch"] = Form(...),
     files: FileRegistry = Depends(files_of),
     ctx: ApiContext = Depends(context),
+    caller: Caller = Depends(caller_of),
 ) -> FileObject:
     """Upload a JSONL file of requests (purpose ``batch``).
 
@@ -67,7 +70,11 @@ def upload_file(
     filename = (file.filename or "input.jsonl")[:255]
     try:
         return files.create_stream(
-            _chunks(file.file), filename, purpose, max_bytes=ctx.settings.api.max_file_bytes
+            _chunks(file.file),
+            filename,
+            purpose,
+            max_bytes=ctx.settings.api.max_file_bytes,
+            tenant=caller.tenant,
         )
     except FileTooLarge:
         # The gate caps the whole body; this holds for the file itself wherever it came from.
@@ -84,8 +91,9 @@ def list_files(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = Query(None, max_length=200),
     files: FileRegistry = Depends(files_of),
+    caller: Caller = Depends(caller_of),
 ) -> FileList:
-    data, more = files.list(limit, after)
+    data, more = files.list(limit, after, caller)
     return _file_page(data, more)
 
 
@@ -99,9 +107,10 @@ def get_file(
     file_id: str,
     files: FileRegistry = Depends(files_of),
     batches: BatchService = Depends(batches_of),
+    caller: Caller = Depends(caller_of),
 ) -> FileObject:
-    batches.ensure_output(file_id)
-    found = files.get(file_id)
+    batches.ensure_output(file_id, caller)
+    found = files.get(file_id, caller)
     if found is None:
         raise ApiError(404, "not_found", "no such file")
     return found
@@ -116,10 +125,11 @@ def file_content(
     file_id: str,
     files: FileRegistry = Depends(files_of),
     batches: BatchService = Depends(batches_of),
+    caller: Caller = Depends(caller_of),
 ) -> Response:
     """The uploaded input, or a finished batch's output or error file, streamed."""
-    batches.ensure_output(file_id)
-    if files.get(file_id) is None:
+    batches.ensure_output(file_id, caller)
+    if files.get(file_id, caller) is None:
         raise ApiError(404, "not_found", "no such file")
     size = files.size(file_id)
     if size is None:
@@ -138,6 +148,7 @@ def create_batch(
     body: BatchCreate,
     batches: BatchService = Depends(batches_of),
     ctx: ApiContext = Depends(context),
+    caller: Caller = Depends(caller_of),
 ) -> BatchObject:
     """Start a batch over an uploaded file; answers at once, the file is fed in behind.
 
@@ -145,7 +156,7 @@ def create_batch(
     file's classes are unknown until it is read.
     """
     check_capacity(ctx, {m.value: 1 for m in Modality})
-    return batches.create(body)
+    return batches.create(body, caller)
 
 
 @router.get("/batches", responses=_READ_ERRORS)
@@ -153,17 +164,26 @@ def list_batches(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = Query(None, max_length=200),
     batches: BatchService = Depends(batches_of),
+    caller: Caller = Depends(caller_of),
 ) -> BatchList:
-    data, more = batches.list(limit, after)
+    data, more = batches.list(limit, after, caller)
     first, last = (data[0].id, data[-1].id) if data else (None, None)
     return BatchList(data=data, first_id=first, last_id=last, has_more=more)
 
 
 @router.get("/batches/{batch_id}", responses=_READ_ERRORS)
-def get_batch(batch_id: str, batches: BatchService = Depends(batches_of)) -> BatchObject:
-    return batches.get(batch_id)
+def get_batch(
+    batch_id: str,
+    batches: BatchService = Depends(batches_of),
+    caller: Caller = Depends(caller_of),
+) -> BatchObject:
+    return batches.get(batch_id, caller)
 
 
 @router.post("/batches/{batch_id}/cancel", responses=_READ_ERRORS)
-def cancel_batch(batch_id: str, batches: BatchService = Depends(batches_of)) -> BatchObject:
-    return batches.cancel(batch_id)
+def cancel_batch(
+    batch_id: str,
+    batches: BatchService = Depends(batches_of),
+    caller: Caller = Depends(caller_of),
+) -> BatchObject:
+    return batches.cancel(batch_id, caller)

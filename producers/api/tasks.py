@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from vlmq.config.results import ResultStore, result_location
 from vlmq.config.schemas import MAX_N, MAX_TOP_LOGPROBS, Request
 from vlmq.config.status import TaskState
+from vlmq.config.tenants import Caller, valid_id
+from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
 from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
@@ -127,16 +129,21 @@ def _accepted(request: Request) -> TaskAccepted:
 
 
 @router.post("/tasks", status_code=202, responses=_WRITE_ERRORS)
-def submit_task(body: TaskBody, ctx: ApiContext = Depends(context)) -> TaskAccepted:
-    """Queue one conversation on the interactive lane."""
+def submit_task(
+    body: TaskBody, ctx: ApiContext = Depends(context), caller: Caller = Depends(caller_of)
+) -> TaskAccepted:
+    """Queue one conversation on the interactive lane (429 ``quota_exceeded`` past the
+    tenant's quota)."""
     request = request_from_body(body.model_dump(exclude_unset=True))
     check_capacity(ctx, {request.modality.value: 1})
-    ctx.client.submit(request, lane="interactive")
+    ctx.client.submit(request, lane="interactive", tenant=caller.tenant)
     return _accepted(request)
 
 
 @router.post("/tasks:batch", status_code=202, responses=_WRITE_ERRORS)
-def submit_batch(body: BatchBody, ctx: ApiContext = Depends(context)) -> BatchAccepted:
+def submit_batch(
+    body: BatchBody, ctx: ApiContext = Depends(context), caller: Caller = Depends(caller_of)
+) -> BatchAccepted:
     """Queue up to ``max_batch_items`` conversations as one job; all or nothing."""
     limit = ctx.settings.api.max_batch_items
     if len(body.requests) > limit:
@@ -146,7 +153,7 @@ def submit_batch(body: BatchBody, ctx: ApiContext = Depends(context)) -> BatchAc
     for request in requests:
         wanted[request.modality.value] = wanted.get(request.modality.value, 0) + 1
     check_capacity(ctx, wanted)
-    job_id = ctx.client.submit_many(requests, lane=body.lane, name=body.name)
+    job_id = ctx.client.submit_many(requests, lane=body.lane, name=body.name, tenant=caller.tenant)
     return BatchAccepted(
         job_id=job_id,
         count=len(requests),
@@ -155,9 +162,16 @@ def submit_batch(body: BatchBody, ctx: ApiContext = Depends(context)) -> BatchAc
     )
 
 
-def _known_task(ctx: ApiContext, task_id: str) -> dict[str, str]:
-    status = ctx.client.status_db.task(task_id)
+def _known_task(ctx: ApiContext, task_id: str, caller: Caller) -> dict[str, str]:
+    """The task's status; 404 for an id that is not one, or another tenant's (its existence
+    is not confirmed)."""
+    if not valid_id(task_id):
+        raise ApiError(404, "not_found", "no such task")
+    db = ctx.client.status_db
+    status = db.task(task_id)
     if status.get("state", "unknown") == TaskState.UNKNOWN.value:
+        raise ApiError(404, "not_found", "no such task")
+    if not caller.admin and db.task_tenant(status) != caller.tenant:
         raise ApiError(404, "not_found", "no such task")
     return status
 
@@ -189,8 +203,10 @@ def _task_status(task_id: str, status: dict[str, str]) -> TaskStatus:
 
 
 @router.get("/tasks/{task_id}", responses=_READ_ERRORS)
-def task_status(task_id: str, ctx: ApiContext = Depends(context)) -> TaskStatus:
-    return _task_status(task_id, _known_task(ctx, task_id))
+def task_status(
+    task_id: str, ctx: ApiContext = Depends(context), caller: Caller = Depends(caller_of)
+) -> TaskStatus:
+    return _task_status(task_id, _known_task(ctx, task_id, caller))
 
 
 def _record_without_object(task_id: str, status: dict[str, str]) -> dict[str, Any]:
@@ -230,6 +246,7 @@ def task_result(
         "OpenAI chat completion (choices[i].message.content, choices[i].logprobs, usage)",
     ),
     ctx: ApiContext = Depends(context),
+    caller: Caller = Depends(caller_of),
 ) -> ChatCompletion | dict[str, Any]:
     """The result once the task is terminal (409 ``not_finished`` before).
 
@@ -239,7 +256,7 @@ def task_result(
     line; a failed, cancelled or expired task is answered as with ``format=vlmq``.
     ``presign`` answers a URL of the stored record instead, so it takes no ``format``.
     """
-    status = _known_task(ctx, task_id)
+    status = _known_task(ctx, task_id, caller)
     if status.get("state") not in _TERMINAL:
         raise ApiError(409, "not_finished", "the task has not finished yet")
     if presign and format != "vlmq":
@@ -259,9 +276,11 @@ def task_result(
 
 
 @router.post("/tasks/{task_id}/cancel", responses=_READ_ERRORS)
-def cancel_task(task_id: str, ctx: ApiContext = Depends(context)) -> CancelReply:
+def cancel_task(
+    task_id: str, ctx: ApiContext = Depends(context), caller: Caller = Depends(caller_of)
+) -> CancelReply:
     """Cancel a task that is still queued; a running or finished task is left alone."""
-    _known_task(ctx, task_id)
+    _known_task(ctx, task_id, caller)
     cancelled = ctx.client.cancel(task_id) > 0
     state = ctx.client.status_db.task(task_id).get("state", "unknown")
     return CancelReply(id=task_id, cancelled=cancelled, status=state)

@@ -197,6 +197,12 @@ class Preflight:
             if text.strip():
                 self.add(parse_line(text, number), base_dir)
 
+    @property
+    def estimated_tokens(self) -> int:
+        """Prompt (visual included) plus output tokens of every valid line so far."""
+        totals = self._totals
+        return sum(totals.prompt_tokens.values()) + sum(totals.output_tokens.values())
+
     def merge(self, other: Preflight) -> Preflight:
         """Add ``other``'s counts to this one's (in place); returns self."""
         self._totals.merge(other._totals)

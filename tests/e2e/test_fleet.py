@@ -7,6 +7,7 @@ import signal
 
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
+from vlmq.config.usage import usage_report
 from vlmq.producers.client import Client
 from vlmq.workers.testing.samples import save_image, save_video
 from vlmq.workers.testing.services import wait_until
@@ -91,6 +92,20 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
         else:
             assert record["status"] == "succeeded" and record["usage"]["completion_tokens"] > 0
             assert record["batch_size"] >= 1 and record["model"] == str(tiny_model)
+    # Usage, counted as each task settled, is the sum over the result objects (real engine).
+    records = [client.result(task_id) for task_id in ids]
+    expected = {
+        "requests": len(records),
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in records),
+        "completion_tokens": sum(r["usage"]["completion_tokens"] for r in records),
+    }
+    assert expected["prompt_tokens"] > 0
+    job_usage = usage_report(client.redis, client.keys, job_id=job)["totals"]
+    (tenant,) = usage_report(client.redis, client.keys)["tenants"]
+    for totals in (job_usage, tenant["totals"]):
+        assert {k: totals[k] for k in expected} == expected
+        assert totals["model_seconds"] > 0
+    assert tenant["tenant"] == "default" and {r["tenant"] for r in records} == {"default"}
 
 
 def _submit_text(client: Client, n: int, marker: str = "") -> str:

@@ -28,7 +28,9 @@ def settings(redis_server, moto_server, request):
 
 @pytest.fixture
 def http(settings):
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(
+        create_app(settings), base_url="http://localhost", raise_server_exceptions=False
+    ) as client:
         yield client
 
 
@@ -146,7 +148,7 @@ def test_tasks_batch_is_all_or_nothing(settings, http):
 
 def test_tasks_batch_size_cap(redis_server, moto_server):
     settings = api_settings(redis_server, moto_server, "cap", max_batch_items=3)
-    with TestClient(create_app(settings)) as http:
+    with TestClient(create_app(settings), base_url="http://localhost") as http:
         reply = http.post("/v1/tasks:batch", json={"requests": [_text("x")] * 4})
     assert reply.status_code == 422 and "at most 3" in reply.json()["error"]["message"]
 

@@ -54,7 +54,9 @@ def settings(redis_server, moto_server, request):
 
 @pytest.fixture
 def http(settings):
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(
+        create_app(settings), base_url="http://localhost", raise_server_exceptions=False
+    ) as client:
         yield client
 
 

@@ -13,6 +13,8 @@ from vlmq.producers.api.app import create_app
 from vlmq.producers.client import Client
 
 TASK = {"messages": [{"role": "user", "content": "hi"}]}
+# Keys are at least min_key_length (16) characters.
+KEY_ONE, KEY_TWO = "key-one-0123456789", "key-two-0123456789"
 
 
 def _app(redis_server, moto_server, request, **api):
@@ -25,7 +27,9 @@ def make_http(redis_server, moto_server, request):
 
     def make(**api: Any) -> TestClient:
         client = TestClient(
-            _app(redis_server, moto_server, request, **api), raise_server_exceptions=False
+            _app(redis_server, moto_server, request, **api),
+            raise_server_exceptions=False,
+            base_url="http://localhost",
         )
         clients.append(client)
         return client
@@ -44,14 +48,18 @@ def _error(reply: Any, status: int, code: str) -> dict[str, Any]:
 
 
 def test_api_keys(make_http):
-    http = make_http(api_keys=["key-one", "key-two"])
+    http = make_http(api_keys=[KEY_ONE, KEY_TWO])
     missing = http.post("/v1/tasks", json=TASK)
     _error(missing, 401, "unauthorized")
     assert missing.headers["www-authenticate"] == "Bearer"
-    _error(http.post("/v1/tasks", json=TASK, headers=_bearer("wrong")), 401, "unauthorized")
+    _error(
+        http.post("/v1/tasks", json=TASK, headers=_bearer("wrong-key-0123456789")),
+        401,
+        "unauthorized",
+    )
     _error(http.get("/v1/batches", headers={"Authorization": "Basic a2V5"}), 401, "unauthorized")
-    assert http.post("/v1/tasks", json=TASK, headers=_bearer("key-two")).status_code == 202
-    assert http.get("/v1/tasks/x", headers=_bearer("key-one")).status_code == 404
+    assert http.post("/v1/tasks", json=TASK, headers=_bearer(KEY_TWO)).status_code == 202
+    assert http.get("/v1/tasks/x", headers=_bearer(KEY_ONE)).status_code == 404
     # Probes and the API description stay public.
     for path in ("/healthz", "/readyz", "/openapi.json"):
         assert http.get(path).status_code == 200
@@ -87,15 +95,26 @@ def test_body_cap_by_content_length_and_while_streaming(make_http):
     assert client.redis.llen("vlmq.text.interactive") == 0
 
 
-def test_rate_limit_per_key_with_retry_after(make_http):
-    http = make_http(api_keys=["a", "b"], rate_limit_per_s=0.5, rate_limit_burst=3)
-    answers = [http.get("/v1/tasks/x", headers=_bearer("a")).status_code for _ in range(3)]
+def test_rate_limit_per_tenant_with_retry_after(make_http):
+    http = make_http(
+        tenant_keys={KEY_ONE: "team-a", KEY_TWO: "team-b"}, rate_limit_per_s=0.5, rate_limit_burst=3
+    )
+    answers = [http.get("/v1/tasks/x", headers=_bearer(KEY_ONE)).status_code for _ in range(3)]
     assert answers == [404, 404, 404]
-    limited = http.get("/v1/tasks/x", headers=_bearer("a"))
+    limited = http.get("/v1/tasks/x", headers=_bearer(KEY_ONE))
     _error(limited, 429, "rate_limited")
     assert 1 <= int(limited.headers["retry-after"]) <= 2
-    assert http.get("/v1/tasks/x", headers=_bearer("b")).status_code == 404  # its own bucket
+    # Another tenant has its own bucket.
+    assert http.get("/v1/tasks/x", headers=_bearer(KEY_TWO)).status_code == 404
     assert http.get("/healthz").status_code == 200  # probes are never limited
+
+
+def test_keys_of_one_tenant_share_its_bucket(make_http):
+    http = make_http(api_keys=[KEY_ONE, KEY_TWO], rate_limit_per_s=0.01, rate_limit_burst=2)
+    assert http.get("/v1/tasks/x", headers=_bearer(KEY_ONE)).status_code == 404
+    assert http.get("/v1/tasks/x", headers=_bearer(KEY_TWO)).status_code == 404
+    _error(http.get("/v1/tasks/x", headers=_bearer(KEY_ONE)), 429, "rate_limited")
+    _error(http.get("/v1/tasks/x", headers=_bearer(KEY_TWO)), 429, "rate_limited")
 
 
 def test_bounded_queue(make_http):

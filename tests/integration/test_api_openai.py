@@ -23,7 +23,7 @@ from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.client import Client
 
-KEY = "test-key"
+KEY = "test-key-0123456789"
 
 
 def _line(custom_id: str, content: Any, **body: Any) -> str:

@@ -365,7 +365,7 @@ def test_a_batch_reads_its_file_line_by_line_and_a_bad_line_fails_alone(settings
     good = [_request_line(n).rstrip(b"\n") for n in range(3)]
     # CRLF line ends, undecodable bytes on one line, a blank line, no final newline.
     data = b"\r\n".join([good[0], b'{"custom_id": "\xff\xfe"', b"", good[1], good[2]])
-    with TestClient(create_app(settings)) as http:
+    with TestClient(create_app(settings), base_url="http://localhost") as http:
         uploaded = http.post(
             "/v1/files", files={"file": ("r.jsonl", data)}, data={"purpose": "batch"}
         ).json()

@@ -29,7 +29,7 @@ from vlmq.workers.testing.samples import save_image
 from vlmq.workers.testing.structured import check_record, mixed_lines, openai_line
 from vlmq.workers.testing.tiny import build_tiny_model
 
-KEY = "test-key"
+KEY = "test-key-0123456789"
 
 
 def _request(custom_id: str, text: str, **body: Any) -> dict[str, Any]:

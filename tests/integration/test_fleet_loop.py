@@ -15,6 +15,7 @@ from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
 from vlmq.config.schemas import Request, Result
 from vlmq.config.scripts import Scripts
+from vlmq.config.settings import BatchPolicy
 from vlmq.config.status import TaskState
 from vlmq.config.wire import decode_message
 from vlmq.producers.client import Client
@@ -293,8 +294,40 @@ def test_bulk_jobs_share_workers_fairly_and_interactive_goes_first(settings):
         big_done = client.status(big)["done"]
     assert engine.ran[:3] == urgent  # the interactive lane is served first
     assert big_done <= 40, big_done  # the small job did not wait behind the big one
-    active = client.redis.zrange(Keys().active_jobs("text"), 0, -1)
+    active = client.redis.zrange(Keys().active_jobs("text", "default"), 0, -1)
     assert set(active) <= {f"vlmq.text.job.{big}"}
+
+
+def _one_job(client: Client) -> list[str]:
+    return [client.submit_many([_conversation("text", n) for n in range(1000)])]
+
+
+def _twenty_jobs(client: Client) -> list[str]:
+    return [
+        client.submit_many([_conversation("text", 50 * j + n) for n in range(50)])
+        for j in range(20)
+    ]
+
+
+@pytest.mark.parametrize("first_jobs", [_one_job, _twenty_jobs], ids=["one-job", "twenty-jobs"])
+def test_fair_share_across_tenants_before_jobs(settings, first_jobs):
+    """A tenant with 1,000 queued tasks and one with 10 submitted after it: the second
+    finishes first. With the first tenant's tasks in 20 jobs, sharing by job alone would give
+    the second tenant 1 of 22 shares (done after ~150 of the first's tasks in pulls of 16);
+    sharing by tenant first gives it a third of each pull, then the room left."""
+    text = BatchPolicy(max_batch_size=16, max_wait_s=0.01, token_budget=32768)
+    settings = settings.model_copy(update={"batch": {**settings.batch, "text": text}})
+    first, second = Client(settings, tenant="team-a"), Client(settings, tenant="team-b")
+    first_ids = first_jobs(first)
+    small = second.submit_many([_conversation("text", n) for n in range(10)])
+    engine = RecordingEngine(delay_s=0.002)
+    with Running(make_loop(settings, engine)):
+        wait_until(lambda: _job_done(second, small), timeout=120, what="team-b's job")
+        first_done = sum(first.status(job)["done"] for job in first_ids)
+    # Two pulls of 16 for team-b's 10, plus the pipeline's prefetched batches of team-a's.
+    assert first_done <= 64, first_done
+    assert second.status(small)["tenant"] == "team-b"
+    assert first.status(first_ids[0])["tenant"] == "team-a"
 
 
 def test_an_existing_task_id_is_refused(settings):
@@ -325,3 +358,27 @@ def test_the_class_token_budget_reaches_the_engine(settings):
     with Running(loop):
         wait_until(lambda: _job_done(client, job), what="job")
     assert BudgetEngine.budgets == [1234]
+
+
+def test_fair_share_sets_from_before_tenants_are_read_as_the_default_tenants(settings):
+    """A fleet upgraded with work queued: the class's set holds job lists (the layout before
+    tenants) and a held message names that set as its origin. Both are moved to the default
+    tenant's set as they are met, and every task runs."""
+    client, keys = Client(settings), Keys()
+    job = client.submit_many([_conversation("text", n) for n in range(30)])
+    tenants, default = keys.active_tenants("text"), keys.active_jobs("text", "default")
+    intake, leases = _intake_and_leases(client)
+    held = intake.pull(2, lease_s=0.5).deliveries  # held, and its lease will lapse
+    pipe = client.redis.pipeline()
+    pipe.delete(tenants, default)
+    pipe.zadd(tenants, {keys.job_queue("text", job): 0})  # the old layout
+    for delivery in held:
+        pipe.hset(keys.lease_active(), delivery.task_id, tenants)
+    pipe.execute()
+    wait_until(lambda: leases.reap(100) == 2, timeout=10, what="the lapsed leases reaped")
+    assert client.redis.zscore(default, keys.job_queue("text", job)) is not None
+    engine = RecordingEngine()
+    with Running(make_loop(settings, engine)):
+        wait_until(lambda: _job_done(client, job), timeout=60, what="the job")
+    assert client.status(job)["counts"]["succeeded"] == 30
+    assert client.redis.zrange(tenants, 0, -1) in ([], [default])

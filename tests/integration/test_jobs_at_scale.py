@@ -180,7 +180,11 @@ def test_every_key_a_job_leaves_behind_expires_or_is_bounded(settings):
         keys.jobs_submitting(),
         keys.job_numbers(),
         keys.feeds(),
-        *(keys.active_jobs(m) for m in ("text", "image", "video")),
+        *(keys.active_tenants(m) for m in ("text", "image", "video")),
+        *(keys.active_jobs(m, "default") for m in ("text", "image", "video")),
+        keys.quota("default"),  # one per tenant
+        keys.usage("default"),  # one per tenant, models x modalities x metrics fields
+        keys.usage_tenants(),
     }
     unbounded = [
         k for k in client.redis.scan_iter("*") if k not in bounded and client.redis.ttl(k) == -1

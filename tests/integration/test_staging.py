@@ -250,7 +250,7 @@ def test_the_api_never_reads_its_own_disk_but_stages_data_uris(
     local = str(photos / "a.png")
     inline = {"type": "image_url", "image_url": {"url": uri}}
     body = {"messages": [{"role": "user", "content": [{"type": "image", "image": local}, inline]}]}
-    with TestClient(create_app(settings)) as http:
+    with TestClient(create_app(settings), base_url="http://localhost") as http:
         reply = http.post("/v1/tasks", json=body)
     assert reply.status_code == 202, reply.text
     queued = _redis_text(Client(settings))

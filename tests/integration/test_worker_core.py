@@ -193,7 +193,9 @@ def test_https_webhooks_go_to_the_checked_address(
 
 def test_the_api_refuses_work_by_redis_memory(settings: Settings, redis_server: Any) -> None:
     settings = settings.model_copy(update={"api": ApiSettings(max_memory_share=0.5)})
-    http = TestClient(create_app(settings), raise_server_exceptions=False)
+    http = TestClient(
+        create_app(settings), base_url="http://localhost", raise_server_exceptions=False
+    )
     redis = redis_server.connect()
     used = int(redis.info("memory")["used_memory"])
     body = {"messages": [{"role": "user", "content": "hi"}]}

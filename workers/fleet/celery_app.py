@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from celery import Celery, bootsteps
 
+from vlmq.config.connection import celery_broker
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.config.wire import TASK_NAME
@@ -22,7 +23,10 @@ __all__ = ["IntakeStep", "make_app"]
 
 def make_app(settings: Settings, service: Any = None) -> Celery:
     keys = Keys(settings.fleet.key_prefix)
-    app = Celery("vlmq", broker=settings.redis_url, set_as_current=False)
+    # A Sentinel VLMQ_REDIS_URL becomes kombu's sentinel transport (sentinel://...;... plus
+    # master_name); a plain one is used as it is.
+    broker, transport = celery_broker(settings)
+    app = Celery("vlmq", broker=broker, set_as_current=False)
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],
@@ -43,7 +47,7 @@ def make_app(settings: Settings, service: Any = None) -> Celery:
         task_soft_time_limit=240,
         task_time_limit=300,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 3600},
+        broker_transport_options={"visibility_timeout": 3600, **transport},
         task_default_queue=keys.control_queue(),
         task_routes={TASK_NAME: {"queue": keys.queue("text")}},
     )

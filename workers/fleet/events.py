@@ -25,11 +25,18 @@ log = logging.getLogger(__name__)
 
 
 class TaskEvents(LoopObserver):
-    def __init__(self, broker_url: str, hostname: str) -> None:
+    def __init__(
+        self, broker_url: str, hostname: str, transport_options: Mapping[str, Any] | None = None
+    ) -> None:
         from celery import Celery
 
         self._app = Celery("vlmq-events", broker=broker_url, set_as_current=False)
-        self._app.conf.update(event_serializer="json", accept_content=["json"])
+        self._app.conf.update(
+            event_serializer="json",
+            accept_content=["json"],
+            # A Sentinel broker's master_name (config.connection.celery_broker).
+            broker_transport_options=dict(transport_options or {}),
+        )
         self._connection = self._app.connection_for_write()
         self._dispatcher = self._app.events.Dispatcher(
             self._connection, hostname=hostname, enabled=True, buffer_while_offline=False

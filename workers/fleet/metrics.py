@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from vlmq.config.usage import TaskUsage
 from vlmq.workers.fleet.observer import LoopObserver
 
 __all__ = ["WorkerMetrics"]
@@ -45,12 +46,19 @@ class WorkerMetrics(LoopObserver):
         self.padding = histogram(
             "vlmq_padding_ratio", "Real / padded prompt tokens", ["modality"], _FRACTIONS
         )
-        self.prompt_tokens = counter("vlmq_prompt_tokens", "Prompt tokens processed", ["modality"])
-        self.generated_tokens = counter("vlmq_generated_tokens", "Tokens generated", ["modality"])
+        # Usage per tenant (also in Redis for GET /v1/usage: config/usage.py).
+        usage_labels = ["modality", "tenant"]
+        self.prompt_tokens = counter(
+            "vlmq_prompt_tokens", "Prompt tokens processed (visual included)", usage_labels
+        )
+        self.generated_tokens = counter("vlmq_generated_tokens", "Tokens generated", usage_labels)
+        self.model_seconds = counter(
+            "vlmq_model_seconds", "Engine seconds, each task's share of its batch", usage_labels
+        )
         self.stage = histogram(
             "vlmq_stage_seconds", "Latency per pipeline stage", ["stage", "modality"], _SECONDS
         )
-        self.tasks = counter("vlmq_tasks", "Tasks finished", ["modality", "status"])
+        self.tasks = counter("vlmq_tasks", "Tasks finished", ["modality", "status", "tenant"])
         self.failures = counter("vlmq_failures", "Failed tasks by error code", ["code"])
         self.oom_splits = counter("vlmq_oom_splits", "Micro-batches halved after OOM", [])
         self.redeliveries = counter("vlmq_redeliveries", "Messages delivered more than once", [])
@@ -102,10 +110,12 @@ class WorkerMetrics(LoopObserver):
     def result(self, record: Mapping[str, Any]) -> None:
         modality = str(record.get("modality") or "unknown")
         status = str(record.get("status"))
-        self.tasks.labels(modality, status).inc()
-        usage = record.get("usage") or {}
-        self.prompt_tokens.labels(modality).inc(usage.get("prompt_tokens", 0))
-        self.generated_tokens.labels(modality).inc(usage.get("completion_tokens", 0))
+        tenant = str(record.get("tenant") or "default")
+        self.tasks.labels(modality, status, tenant).inc()
+        used = TaskUsage.of(record)
+        self.prompt_tokens.labels(modality, tenant).inc(used.prompt_tokens)
+        self.generated_tokens.labels(modality, tenant).inc(used.completion_tokens)
+        self.model_seconds.labels(modality, tenant).inc(used.model_s)
         if record.get("padding_ratio") is not None:
             self.padding.labels(modality).observe(record["padding_ratio"])
         timings = record.get("timings") or {}

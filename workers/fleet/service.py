@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, create_redis
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
 from vlmq.config.feeding import Feeder
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
@@ -37,7 +37,7 @@ from vlmq.workers.fleet.intake import Held, Intake, Leases
 from vlmq.workers.fleet.loop import BatchLoop, LoopParts
 from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.fleet.observer import LoopObserver, Observers
-from vlmq.workers.fleet.settle import Settler
+from vlmq.workers.fleet.settle import Settler, settle_wait
 from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.webhooks import WebhookSender
@@ -62,7 +62,7 @@ def compose_loop(
     fleet = settings.fleet
     keys = Keys(fleet.key_prefix)
     status = StatusDB(redis, keys, ttl_s=fleet.task_ttl_s)
-    leases = Leases(status.scripts, keys)
+    leases = Leases(status.scripts, keys, wait=settle_wait(fleet), ttl_s=fleet.task_ttl_s)
     held = Held()
     observer = Observers(observers)
     settler = Settler(
@@ -123,7 +123,8 @@ class WorkerService:
         store = open_store(settings.results_url, settings.s3_endpoint_url, settings.s3_region)
         observers: list[LoopObserver] = [self._metrics()]
         if settings.fleet.task_events:
-            observers.append(TaskEvents(settings.redis_url, self.name.replace(":", "-")))
+            broker, transport = celery_broker(settings)
+            observers.append(TaskEvents(broker, self.name.replace(":", "-"), transport))
         self.loop = compose_loop(
             settings, self.modalities, self.engine, self.name, self.redis, store, observers
         )

@@ -10,6 +10,12 @@ parallel, one script call), off the batch loop's thread so they overlap the next
 outage and transient Redis errors are retried with backoff while the leases are kept; any other
 failure releases the batch, so its leases lapse and it is redelivered within ``lease_s +
 reap_interval_s`` (never held and renewed forever).
+
+With ``VLMQ_FLEET__SETTLE_WAIT_REPLICAS`` each settle is followed by ``WAIT`` (:func:`settle_wait`),
+so a result acknowledged here is on a replica too. Without it (or when WAIT times out), a Redis
+failover can lose a settle that was acknowledged: its object is stored but the new master still
+has the task running; the lease lapses, the task is delivered again, and :meth:`Settler.stored`
+finds the earlier delivery's object, which Triage settles instead of running the model again.
 """
 
 from __future__ import annotations
@@ -22,17 +28,61 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
+
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.results import ResultStore, result_key
+from vlmq.config.scripts import Wait
+from vlmq.config.settings import FleetSettings
 from vlmq.config.status import TaskState
 from vlmq.config.statusdb import Move
+from vlmq.config.usage import TaskUsage
 from vlmq.workers.fleet.intake import Held, Leases
 from vlmq.workers.fleet.observer import LoopObserver
 
-__all__ = ["Settlement", "Settler"]
+__all__ = [
+    "REPAIRED_RESULTS",
+    "SETTLE_WAIT_SHORT",
+    "Settlement",
+    "Settler",
+    "Stored",
+    "settle_wait",
+]
 
 log = logging.getLogger(__name__)
+
+# Process-wide (the default registry: on a worker's /metrics when VLMQ_METRICS__PORT is set).
+SETTLE_WAIT_SHORT = Counter(
+    "vlmq_settle_wait_short",
+    "Settles whose WAIT saw fewer replicas than VLMQ_FLEET__SETTLE_WAIT_REPLICAS in time",
+)
+REPAIRED_RESULTS = Counter(
+    "vlmq_repaired_results",
+    "Redelivered tasks settled with the result an earlier delivery stored (its settle was lost)",
+)
+
+
+def settle_wait(fleet: FleetSettings) -> Wait | None:
+    """The WAIT that follows each settle, or None when it is off. Its timeout stays below the
+    socket timeout: a WAIT the socket gave up on would read as a failed settle, and be retried
+    (and time out) for as long as no replica answers."""
+    if fleet.settle_wait_replicas <= 0:
+        return None
+    timeout_ms = fleet.settle_wait_timeout_ms
+    ceiling = max(1, int(fleet.redis_socket_timeout_s * 1000 * 0.8))
+    if timeout_ms > ceiling:
+        log.warning(
+            "VLMQ_FLEET__SETTLE_WAIT_TIMEOUT_MS=%d is not below the Redis socket timeout "
+            "(%.1f s); waiting %d ms instead",
+            timeout_ms,
+            fleet.redis_socket_timeout_s,
+            ceiling,
+        )
+        timeout_ms = ceiling
+    return Wait(
+        fleet.settle_wait_replicas, timeout_ms, on_short=lambda _acked: SETTLE_WAIT_SHORT.inc()
+    )
 
 
 @dataclass
@@ -49,8 +99,21 @@ class Settlement:
         return str(self.record["id"])
 
     @property
+    def usage(self) -> TaskUsage:
+        """What the task used, counted for its tenant and job when it settles."""
+        return TaskUsage.of(self.record)
+
+    @property
     def key(self) -> str:
         return result_key(self.task_id, self.record.get("job_id"), self.token)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A result object an earlier delivery of a task wrote."""
+
+    delivery: int
+    record: dict[str, Any]
 
 
 class Settler:
@@ -145,7 +208,7 @@ class Settler:
         delay = 0.1
         while True:
             try:
-                settled = self.leases.settle(moves)
+                settled = self.leases.settle(moves, [s.usage for s in settlements])
                 break
             except TRANSIENT_REDIS_ERRORS as exc:
                 if self.stopping.is_set():
@@ -161,7 +224,7 @@ class Settler:
             self.observer.superseded([s.task_id for s in lost])
         # One object per task: a superseded holder removes its own, a redelivered winner what
         # earlier deliveries may have left (a holder killed between upload and settle).
-        self._remove([s.key for s in lost])
+        self._remove([s.key for s in self._outdated(lost)])
         self._remove(
             [
                 result_key(s.task_id, s.record.get("job_id"), delivery)
@@ -169,6 +232,56 @@ class Settler:
                 for delivery in range(1, s.token)
             ]
         )
+
+    def _outdated(self, lost: Sequence[Settlement]) -> list[Settlement]:
+        """The refused settlements a newer delivery has superseded: their objects go. After a
+        Redis failover a task's delivery count can be lower than this holder's token (its pull
+        was not replicated): the same token is then delivered again and writes this same key,
+        so that object is left for the new delivery to overwrite (removing it could remove the
+        new delivery's result)."""
+        if not lost:
+            return []
+        pipe = self.leases.scripts.redis.pipeline(transaction=False)
+        for settlement in lost:
+            pipe.hget(self.leases.keys.task(settlement.task_id), "deliveries")
+        try:
+            counts = pipe.execute()
+        except TRANSIENT_REDIS_ERRORS:
+            log.warning("could not read %d delivery counts; their objects stay", len(lost))
+            return []
+        outdated = []
+        for settlement, count in zip(lost, counts, strict=True):
+            if count is None or not str(count).isdigit() or int(count) > settlement.token:
+                outdated.append(settlement)
+            else:
+                log.warning(
+                    "task %s: delivery count %s, not above this holder's %d (a Redis failover "
+                    "lost its pull); its object stays for the next delivery to overwrite",
+                    settlement.task_id,
+                    count,
+                    settlement.token,
+                )
+        return outdated
+
+    def stored(self, wanted: Sequence[tuple[str, str | None, int]]) -> list[Stored | None]:
+        """Per (task id, job id, token): the newest result an earlier delivery of that task
+        stored (its delivery and record), or None. Read in parallel; a store that cannot be
+        read counts as nothing stored (the task then runs again, which is always safe)."""
+        if len(wanted) > 1:
+            return list(self._uploads.map(lambda w: self._stored_one(*w), wanted))
+        return [self._stored_one(*w) for w in wanted]
+
+    def _stored_one(self, task_id: str, job_id: str | None, token: int) -> Stored | None:
+        for delivery in range(token - 1, 0, -1):
+            key = result_key(task_id, job_id, delivery)
+            try:
+                record = self.store.get(key)
+            except Exception:
+                log.warning("could not read %s; task %s runs again", key, task_id, exc_info=True)
+                return None
+            if isinstance(record, dict) and record.get("id") == task_id:
+                return Stored(delivery, record)
+        return None
 
     def _remove(self, keys: Iterable[str]) -> None:
         """Best effort: an object left behind is never read (the status names the winner's)."""

@@ -9,6 +9,12 @@ one that ran ``max_deliveries`` times without finishing (its worker died each ti
 dead-lettered. ``start`` checks expiry again and moves a micro-batch to ``running`` in one
 fenced script call, counting each an attempt; a task cancelled or expired while it waited in
 the pipeline, or delivered to someone else since, is let go instead.
+
+A redelivered task (token > 1) whose earlier delivery already stored its result object is not
+run again: that stored result is settled for this delivery (``_repair``). Its settle was lost: a
+Redis failover that did not replicate it (asynchronous replication), or a holder that died
+between upload and settle. Only redeliveries pay for the look-up (one store read per earlier
+delivery, in parallel across the batch).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -28,7 +35,7 @@ from vlmq.config.statusdb import Move, StatusDB
 from vlmq.config.wire import TaskMessage, WireError, decode_message
 from vlmq.workers.fleet.intake import Delivery, Held, Leases, Pull
 from vlmq.workers.fleet.observer import LoopObserver
-from vlmq.workers.fleet.settle import Settler
+from vlmq.workers.fleet.settle import REPAIRED_RESULTS, Settlement, Settler, Stored
 from vlmq.workers.fleet.work import Work, failure_settlement
 
 __all__ = ["Triage"]
@@ -65,7 +72,34 @@ class Triage:
         if pull.dropped:
             self.observer.dropped(pull.dropped)
         work = [item for item in map(self._decode, pull.deliveries) if item is not None]
+        work = self._repair(work)
         return [item for item in work if self._admit(item, pull.now)]
+
+    # repair ------------------------------------------------------------------
+    def _repair(self, work: list[Work]) -> list[Work]:
+        """Settle the redeliveries whose earlier delivery stored a result (its settle was
+        lost) with that result; returns the rest, which run."""
+        again = [item for item in work if item.token > 1]
+        if not again:
+            return work
+        found = self.settler.stored([(i.task_id, i.job_id, i.token) for i in again])
+        repaired = [
+            settlement
+            for item, stored in zip(again, found, strict=True)
+            if stored is not None and (settlement := _stored_settlement(item, stored)) is not None
+        ]
+        if not repaired:
+            return work
+        log.info(
+            "%d redelivered tasks already had a stored result (a lost settle); settling it "
+            "instead of running them again: %s",
+            len(repaired),
+            ", ".join(s.task_id for s in repaired[:10]),
+        )
+        REPAIRED_RESULTS.inc(len(repaired))
+        self.settler.submit_many(repaired)
+        done = {s.task_id for s in repaired}
+        return [item for item in work if item.task_id not in done]
 
     # decode ------------------------------------------------------------------
     def _decode(self, delivery: Delivery) -> Work | None:
@@ -177,3 +211,26 @@ class Triage:
         if not item.status.get("job_id") and item.request.job_id:
             fields["job_id"] = item.request.job_id
         return Move(item.task_id, TaskState.RUNNING, fields, item.token, "started_at", True)
+
+
+def _stored_settlement(item: Work, stored: Stored) -> Settlement | None:
+    """The settlement of ``item``'s delivery with a result an earlier delivery stored: the
+    same record and status fields (worker, batch, error) its own settle would have written;
+    the settler stores it under this delivery's key and removes the earlier objects."""
+    record = stored.record
+    raw_error = record.get("error")
+    error: dict[str, Any] = raw_error if isinstance(raw_error, dict) else {}
+    if record.get("status") == "succeeded":
+        state = TaskState.SUCCEEDED
+    elif record.get("status") == "failed":
+        state = TaskState.EXPIRED if error.get("code") == Expired.code else TaskState.FAILED
+    else:
+        return None
+    fields = {
+        "worker": record.get("worker"),
+        "error_code": error.get("code"),
+        "error_message": error.get("message"),
+    }
+    if record.get("batch_id") is not None:
+        fields["batch_id"] = record["batch_id"]
+    return Settlement(dict(record), state, fields, item.token)

@@ -9,6 +9,7 @@ from typing import Any
 from vlmq.config.errors import PermanentError, error_record
 from vlmq.config.schemas import Request, Result
 from vlmq.config.status import TaskState
+from vlmq.config.tenants import DEFAULT_TENANT
 from vlmq.config.wire import TaskMessage
 from vlmq.workers.fleet.intake import Delivery
 from vlmq.workers.fleet.settle import Settlement
@@ -37,6 +38,11 @@ class Work:
         if self.request is None:
             raise ValueError(f"task {self.task_id} was not decoded")
         return self.request
+
+    @property
+    def tenant(self) -> str:
+        """Who the task belongs to (the pull resolved a fed task's from its job)."""
+        return self.status.get("tenant") or self.delivery.status.get("tenant") or DEFAULT_TENANT
 
     @property
     def attempts(self) -> int:
@@ -90,6 +96,7 @@ def result_settlement(item: Work, result: Result, worker: str) -> Settlement:
     record["attempts"] = item.attempts
     record["deliveries"] = item.delivery.deliveries
     record["worker"] = worker
+    record["tenant"] = item.tenant
     state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
     error = result.error or {}
     fields = {
@@ -116,6 +123,7 @@ def failure_settlement(
         "worker": worker,
         "attempts": item.attempts,
         "deliveries": item.delivery.deliveries,
+        "tenant": item.tenant,
     }
     fields = {"worker": worker, "error_code": error.code, "error_message": error.message}
     return Settlement(record, state, fields, item.token)

@@ -46,30 +46,32 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def command(self) -> list[str]:
+        """The redis-server command line (subclasses add to it: a replica, a sentinel)."""
+        return [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--maxmemory-policy",
+            "noeviction",
+            "--logfile",
+            str(self.workdir / "redis.log"),
+        ]
+
     def start(self: R, timeout_s: float = 10.0) -> R:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.workdir),
-                "--save",
-                "",
-                "--appendonly",
-                "yes" if self.appendonly else "no",
-                "--appendfsync",
-                "everysec",
-                "--maxmemory-policy",
-                "noeviction",
-                "--logfile",
-                str(self.workdir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + timeout_s
         while not self._pings():

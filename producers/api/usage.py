@@ -1,0 +1,45 @@
+"""Usage: what a tenant's (or one job's) tasks used, as the fleet counted it when each settled.
+
+A caller sees its own tenant's usage and its own jobs'; an admin sees every tenant's (or the
+ones it names). Another tenant's job is not found (404), as everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+
+from vlmq.config.tenants import Caller, valid_id
+from vlmq.config.usage import usage_report
+from vlmq.producers.api.auth import caller_of
+from vlmq.producers.api.context import ApiContext, context
+from vlmq.producers.api.errors import ApiError, error_responses
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["usage"])
+
+
+@router.get("/usage", responses=error_responses(401, 404, 429, 503))
+def get_usage(
+    job_id: str | None = Query(None, description="One job's usage instead of the tenant's"),
+    tenant: list[str] | None = Query(None, description="Admins: these tenants (default: all)"),
+    ctx: ApiContext = Depends(context),
+    caller: Caller = Depends(caller_of),
+) -> dict[str, Any]:
+    """Prompt tokens (visual included), completion tokens, requests and model seconds, by
+    model and modality: ``{"tenants": [{"tenant", "totals", "by": [...]}]}``, or with
+    ``job_id`` ``{"job_id", "totals", "by"}``."""
+    client = ctx.client
+    if job_id is not None:
+        if not valid_id(job_id) or not client.status_db.job_exists(job_id):
+            raise ApiError(404, "not_found", "no such job")
+        if not caller.admin and client.status_db.job_tenant(job_id) != caller.tenant:
+            raise ApiError(404, "not_found", "no such job")
+        return usage_report(client.redis, client.keys, job_id=job_id)
+    if caller.admin:
+        return usage_report(client.redis, client.keys, tenant or None)
+    if tenant and set(tenant) != {caller.tenant}:
+        raise ApiError(404, "not_found", "no such tenant")
+    return usage_report(client.redis, client.keys, [caller.tenant])

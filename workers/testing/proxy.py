@@ -12,7 +12,34 @@ import threading
 
 from vlmq.workers.testing.services import free_port
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "close_all", "listen_on"]
+
+
+def listen_on(port: int, backlog: int = 64) -> socket.socket:
+    """A listening socket on loopback ``port`` (reusable at once after a close)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(backlog)
+    return listener
+
+
+def close_all(
+    listener: socket.socket | None, sockets: set[socket.socket], lock: threading.Lock
+) -> None:
+    """Stop accepting and cut every open connection (``sockets`` is emptied)."""
+    if listener is not None:
+        # close() alone does not wake a thread blocked in accept(): it would take one more
+        # connection after the forwarder is down.
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    with lock:
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        sockets.clear()
 
 
 class Proxy:
@@ -33,28 +60,14 @@ class Proxy:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def up(self) -> Proxy:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
+        listener = listen_on(self.port)
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
 
     def down(self) -> None:
         listener, self._listener = self._listener, None
-        if listener is not None:
-            # close() alone does not wake a thread blocked in accept(): it would take one more
-            # connection after the proxy is "down".
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        with self._lock:
-            for sock in self._open:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self._open.clear()
+        close_all(listener, self._open, self._lock)
 
     def _accept(self, listener: socket.socket) -> None:
         while True:

@@ -25,6 +25,7 @@ import redis
 
 from vlmq.config.errors import ConfigError
 from vlmq.workers.testing.localredis import LocalRedis, free_port
+from vlmq.workers.testing.proxy import close_all, listen_on
 
 __all__ = ["DataNode", "LaggyLink", "SentinelCluster", "SentinelNode"]
 
@@ -47,10 +48,7 @@ class LaggyLink:
         self._flowing.set()
 
     def up(self) -> LaggyLink:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(16)
+        listener = listen_on(self.port, backlog=16)
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
@@ -62,16 +60,7 @@ class LaggyLink:
         self._cut.set()
         self._flowing.set()  # wake the writers: they see the cut and drop what they hold
         listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self._sockets.clear()
+        close_all(listener, self._sockets, self._lock)
 
     def _accept(self, listener: socket.socket) -> None:
         while not self._cut.is_set():

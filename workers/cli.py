@@ -14,7 +14,7 @@ import click
 from vlmq.config.jsonl import ParsedLine, read_requests
 from vlmq.config.settings import Settings
 
-__all__ = ["build_tiny_model", "run"]
+__all__ = ["build_tiny_model", "run", "run_file", "serve", "worker", "worker_engine"]
 
 
 @click.command("build-tiny-model")
@@ -142,19 +142,30 @@ def run(
     backend = backend or settings.engine.backend
     engine = engine_for_backend(backend, model or settings.model, engine_settings, media).setup()
     started = time.perf_counter()
-    ok = failed = 0
-    with input_path.open(encoding="utf-8") as lines, output_path.open("w", encoding="utf-8") as out:
-        for chunk in _chunks(read_requests(lines), chunk_size):
-            done_ok, done_failed = _write_chunk(engine, chunk, out, input_path.resolve().parent)
-            ok, failed = ok + done_ok, failed + done_failed
-            click.echo(f"\r{ok + failed} done ({failed} failed)", nl=False, err=True)
+    ok, failed = run_file(engine, input_path, output_path, chunk_size)
     engine.close()
     elapsed = time.perf_counter() - started
     click.echo(f"\r{ok} succeeded, {failed} failed in {elapsed:.1f}s -> {output_path}", err=True)
     sys.exit(0)
 
 
-def _engine_for(kind: str, settings: Settings, noop_delay_s: float, simulate: str) -> Any:
+def run_file(engine: Any, input_path: Path, output_path: Path, chunk_size: int) -> tuple[int, int]:
+    """``vlmq run``'s loop over a set-up engine: one output line per input line, in order;
+    returns (succeeded, failed)."""
+    ok = failed = 0
+    base = input_path.resolve().parent
+    with input_path.open(encoding="utf-8") as lines, output_path.open("w", encoding="utf-8") as out:
+        for chunk in _chunks(read_requests(lines), chunk_size):
+            done_ok, done_failed = _write_chunk(engine, chunk, out, base)
+            ok, failed = ok + done_ok, failed + done_failed
+            click.echo(f"\r{ok + failed} done ({failed} failed)", nl=False, err=True)
+    return ok, failed
+
+
+def worker_engine(
+    kind: str, settings: Settings, noop_delay_s: float = 0.0, simulate: str = "0.015,0.004"
+) -> Any:
+    """The engine ``vlmq worker --engine KIND`` serves with (not set up yet)."""
     if kind == "noop":
         from vlmq.workers.testing.noop import NoopEngine
 
@@ -229,8 +240,14 @@ def worker(
         raise click.BadParameter(f"unknown modality {sorted(unknown)}", param_hint="--modality")
     kind = engine_kind or settings.engine.backend
     service = WorkerService(
-        settings, modalities, _engine_for(kind, settings, noop_delay, simulate), name=name
+        settings, modalities, worker_engine(kind, settings, noop_delay, simulate), name=name
     ).setup()
+    serve(settings, service, celery)
+
+
+def serve(settings: Settings, service: Any, celery: bool = True) -> None:
+    """Host a set-up worker service until it is stopped: in a Celery worker (solo pool,
+    events, remote control) or on its own (SIGTERM/SIGINT stop it)."""
     if celery:
         _run_in_celery(settings, service)
     else:

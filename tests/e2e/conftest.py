@@ -10,14 +10,12 @@ from typing import Any
 
 import pytest
 
-from vlmq.workers.testing.tiny import build_tiny_model
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "qwen2_5_vl", "qwen2_5_vl")
+def tiny_model(checkpoint):
+    return checkpoint("qwen2_5_vl")
 
 
 def vlmq(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
@@ -30,22 +28,27 @@ def vlmq(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> subpro
     )
 
 
-@pytest.fixture
-def fleet_env(redis_server, moto_server, tmp_path, request):
-    bucket = f"fleet-{abs(hash(request.node.name)) % 10**8}"
-    moto_server.s3().create_bucket(Bucket=bucket)
-    env = {
-        "VLMQ_REDIS_URL": redis_server.url,
+def fleet_environment(redis_url: str, moto: Any, bucket: str, media_root: Path) -> dict[str, str]:
+    """What a fleet process of these tests runs with: this Redis, this bucket on moto, short
+    leases and reaps, local media from ``media_root``."""
+    moto.s3().create_bucket(Bucket=bucket)
+    return {
+        "VLMQ_REDIS_URL": redis_url,
         "VLMQ_RESULTS_URL": f"s3://{bucket}/results",
-        "VLMQ_S3_ENDPOINT_URL": moto_server.endpoint,
+        "VLMQ_S3_ENDPOINT_URL": moto.endpoint,
         "VLMQ_FLEET__LEASE_S": "3",
         "VLMQ_FLEET__REAP_INTERVAL_S": "0.5",
-        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(tmp_path)]),
+        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(media_root)]),
         "VLMQ_ENGINE__TORCH_THREADS": "1",
         "AWS_ACCESS_KEY_ID": "test",
         "AWS_SECRET_ACCESS_KEY": "test",
     }
-    return env
+
+
+@pytest.fixture
+def fleet_env(redis_server, moto_server, tmp_path, request):
+    bucket = f"fleet-{abs(hash(request.node.name)) % 10**8}"
+    return fleet_environment(redis_server.url, moto_server, bucket, tmp_path)
 
 
 class Fleet:

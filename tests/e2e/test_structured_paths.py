@@ -21,7 +21,6 @@ from vlmq.producers.export import to_chat_completion
 from vlmq.workers.testing.samples import save_image
 from vlmq.workers.testing.services import wait_until
 from vlmq.workers.testing.structured import check_record, mixed_lines, openai_line
-from vlmq.workers.testing.tiny import build_tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 CUSTOM_IDS = [line["custom_id"] for line in mixed_lines("x.png")]
@@ -35,9 +34,8 @@ BAD_GRAMMAR = {
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+def models(checkpoint: Any) -> dict[str, Path]:
+    return {family: checkpoint(family) for family in FAMILIES}
 
 
 def _check_completion(custom_id: str, body: dict[str, Any]) -> None:

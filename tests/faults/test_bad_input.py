@@ -43,7 +43,6 @@ from vlmq.workers.testing.faults.corpus import (
     message_problems,
     valid_mates,
 )
-from vlmq.workers.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 
@@ -79,10 +78,10 @@ def env(tmp_path_factory: pytest.TempPathFactory, canary: Canary) -> FaultEnv:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, env: FaultEnv) -> Iterator[Any]:
+def engine(checkpoint: Any, env: FaultEnv) -> Iterator[Any]:
     from vlmq.workers.engine import Engine
 
-    model = build_tiny_model(tmp_path_factory.mktemp("model") / "qwen", "qwen2_5_vl")
+    model = checkpoint("qwen2_5_vl")
     media = media_settings(env)
     engine = Engine(str(model), engine_settings(), media, make_loader(media)).setup()
     yield engine

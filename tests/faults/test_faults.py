@@ -6,7 +6,6 @@ import pytest
 
 from vlmq.workers.testing.faults import scenarios
 from vlmq.workers.testing.faults.harness import Harness
-from vlmq.workers.testing.tiny import build_tiny_model
 
 
 @pytest.fixture
@@ -16,8 +15,8 @@ def harness(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "qwen", "qwen2_5_vl"))
+def tiny_model(checkpoint):
+    return str(checkpoint("qwen2_5_vl"))
 
 
 def _no_loss(figures, tasks):

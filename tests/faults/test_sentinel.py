@@ -131,6 +131,7 @@ def test_a_demoted_master_is_dropped_for_the_new_one(tmp_path, monkeypatch):
         master.kill()
 
 
+@pytest.mark.private_redis
 def test_wait_reports_missing_replicas_without_failing(redis_server, caplog):
     """A lone master: WAIT 1 times out with 0 replicas; the script's reply still comes back,
     the shortfall is reported. A script Redis lost (restart, failover) is loaded again."""

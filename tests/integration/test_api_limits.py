@@ -141,6 +141,7 @@ def test_bounded_queue_counts_bulk_job_lists(make_http):
     _error(http.post("/v1/tasks", json=TASK), 429, "queue_full")
 
 
+@pytest.mark.private_redis
 def test_readyz_and_requests_when_redis_is_down(make_http, redis_server):
     http = make_http()
     assert http.get("/readyz").status_code == 200

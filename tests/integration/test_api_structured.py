@@ -27,7 +27,6 @@ from vlmq.workers.engine import Engine
 from vlmq.workers.media.fleet import fleet_loader
 from vlmq.workers.testing.samples import save_image
 from vlmq.workers.testing.structured import check_record, mixed_lines, openai_line
-from vlmq.workers.testing.tiny import build_tiny_model
 
 KEY = "test-key-0123456789"
 
@@ -44,8 +43,8 @@ BAD_GRAMMAR = _request("bad_grammar", "Say x.", grammar='start: "x" <|no_such_to
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "qwen2_5_vl", "qwen2_5_vl")
+def tiny_model(checkpoint: Any) -> Path:
+    return Path(checkpoint("qwen2_5_vl"))
 
 
 @pytest.fixture

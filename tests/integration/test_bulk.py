@@ -196,15 +196,15 @@ def test_interactive_requests_overtake_a_bulk_backlog(settings):
     engine = RecordingEngine(delay_s=0.02)
     with Running(make_loop(settings, engine)):
         wait_until(lambda: len(engine.ran) >= 16, what="bulk running")
-        ran_before = len(engine.ran)
         urgent = [client.submit([{"role": "user", "content": f"now {i}"}]) for i in range(5)]
+        ran_before = len(engine.ran)  # once the last one is in its queue
         wait_until(
             lambda: all(client.status(t)["state"] == "succeeded" for t in urgent),
             what="interactive requests",
         )
-    # At most what was already pulled (the batch running and the prefetched ones: 8 each,
-    # prefetch_batches in all) and one batch pulled while they were being submitted one by
-    # one ran before them; then they went first, ahead of the remaining backlog.
+    # At most what was already pulled when they were all queued (the batch running and the
+    # prefetched ones: 8 each, prefetch_batches in all, and one being pulled) ran before
+    # them; then they went first, ahead of the remaining backlog.
     positions = [engine.ran.index(t) for t in urgent]
     pulled = settings.worker.prefetch_batches * 8
     assert max(positions) < ran_before + pulled + 8 + len(urgent), (ran_before, positions)

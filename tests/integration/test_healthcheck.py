@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from vlmq.config.keys import Keys
 from vlmq.config.settings import BatchPolicy, FleetSettings, Settings
 from vlmq.workers.fleet.service import WorkerService
@@ -73,6 +75,7 @@ def test_a_stale_or_foreign_heartbeat_is_unhealthy(redis_server):
     assert healthcheck(redis_server.url, "--hostname", "other-host").returncode == 0
 
 
+@pytest.mark.private_redis
 def test_an_unreadable_entry_or_a_down_redis_is_unhealthy(redis_server):
     client = redis_server.connect()
     client.hset(Keys().workers(), f"text@{socket.gethostname()}:1", "not json")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
 from vlmq.config.feeding import FeedCounts
 from vlmq.config.keys import Keys
@@ -124,6 +126,7 @@ def test_fair_share_serves_every_job_within_jobs_over_batch_pulls(settings):
     assert served == set(jobs)
 
 
+@pytest.mark.private_redis
 def test_queue_depth_is_counted_not_listed(settings):
     client = Client(settings)
     for j in range(30):

@@ -27,7 +27,7 @@ from vlmq.workers.engine.interface import Collated, RunOnlyEngine
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.testing.samples import save_image, save_video
 from vlmq.workers.testing.services import wait_until
-from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model
+from vlmq.workers.testing.tiny import FAMILIES
 
 
 def _with(settings: Settings, batch_size: int = 8, wait_s: float = 0.02, **worker: Any) -> Settings:
@@ -91,9 +91,9 @@ def _mixed_job(media: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_on_and_off_give_the_same_outputs(
-    settings: Settings, media: Path, family: str, tmp_path: Path
+    settings: Settings, media: Path, family: str, tmp_path: Path, checkpoint: Any
 ) -> None:
-    model = str(build_tiny_model(tmp_path / family, family))
+    model = str(checkpoint(family))
     media_settings = MediaSettings(local_roots=[str(media)])
     outputs = []
     for pipeline in (False, True):
@@ -211,11 +211,13 @@ class GatedHFEngine(Engine):
         return super().poll(worker)
 
 
-def test_large_images_prefetch_within_the_byte_budget(settings: Settings, tmp_path: Path) -> None:
+def test_large_images_prefetch_within_the_byte_budget(
+    settings: Settings, tmp_path: Path, checkpoint: Any
+) -> None:
     for n in range(8):
         save_image(tmp_path / f"big-{n}.png", size=(2000, 1500), seed=n)
     decoded = 2000 * 1500 * 3
-    model = str(build_tiny_model(tmp_path / "qwen", "qwen2_5_vl"))
+    model = str(checkpoint("qwen2_5_vl"))
     # Full-size decode and no cache: every prefetched request holds its 9 MB of pixels.
     media = MediaSettings(
         local_roots=[str(tmp_path)],

@@ -13,15 +13,14 @@ from click.testing import CliRunner
 from vlmq.config.keys import Keys
 from vlmq.producers.cli import cli
 from vlmq.workers.testing.samples import save_image, save_video
-from vlmq.workers.testing.tiny import build_tiny_model
 
 # Commands a read of the heartbeat hash may send (connection setup included).
 _READS = {"hgetall", "client", "hello", "ping", "info", "select"}
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "qwen2_5_vl", "qwen2_5_vl")
+def tiny_model(checkpoint: Any) -> Path:
+    return Path(checkpoint("qwen2_5_vl"))
 
 
 def _job_file(folder: Path) -> Path:
@@ -60,6 +59,7 @@ def _beat(modalities: list[str], rows: int, generate_s: float) -> str:
     return json.dumps({"modalities": modalities, "at": time.time(), "engine": engine})
 
 
+@pytest.mark.private_redis
 def test_dry_run_estimates_and_enqueues_nothing(redis_server, tiny_model, tmp_path):
     redis = redis_server.connect()
     workers = Keys().workers()

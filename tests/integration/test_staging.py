@@ -21,12 +21,11 @@ from vlmq.workers.engine import Engine
 from vlmq.workers.media.fleet import fleet_loader
 from vlmq.workers.testing.samples import data_uri, make_image, save_image, save_video
 from vlmq.workers.testing.services import wait_until
-from vlmq.workers.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("model") / "qwen", "qwen2_5_vl"))
+def tiny_model(checkpoint: Any) -> str:
+    return str(checkpoint("qwen2_5_vl"))
 
 
 @pytest.fixture

@@ -809,6 +809,7 @@ def test_redis_errors_by_kind(
         assert error["message"] == "internal error"
 
 
+@pytest.mark.private_redis
 def test_a_real_wrongtype_reply_is_a_500(redis_server, moto_server, request, make_http):
     http = make_http(_settings(redis_server, moto_server, request))
     client: Client = http.app.state.ctx.client

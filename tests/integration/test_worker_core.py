@@ -191,6 +191,7 @@ def test_https_webhooks_go_to_the_checked_address(
     sender.close()
 
 
+@pytest.mark.private_redis
 def test_the_api_refuses_work_by_redis_memory(settings: Settings, redis_server: Any) -> None:
     settings = settings.model_copy(update={"api": ApiSettings(max_memory_share=0.5)})
     http = TestClient(

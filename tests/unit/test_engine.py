@@ -7,7 +7,6 @@ import pytest
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, FaultInjection, MediaSettings
 from vlmq.workers.testing.samples import data_uri, save_image, save_video
-from vlmq.workers.testing.tiny import build_tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 
@@ -23,8 +22,8 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def model_dir(request, tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+def model_dir(request, checkpoint):
+    return checkpoint(request.param)
 
 
 def _engine(model_dir, media, **engine_fields):
@@ -122,8 +121,8 @@ def test_collation_pads_on_the_left(model_dir, media):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl"])
-def test_bad_media_fails_only_its_request(family, media, tmp_path):
-    model = build_tiny_model(tmp_path / family, family)
+def test_bad_media_fails_only_its_request(family, media, checkpoint):
+    model = checkpoint(family)
     engine = _engine(model, media)
     batch = [
         _req("fine"),
@@ -149,8 +148,8 @@ def test_bad_media_fails_only_its_request(family, media, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("qwen"), "qwen2_5_vl")
+def qwen(checkpoint):
+    return checkpoint("qwen2_5_vl")
 
 
 def _texts(n):

@@ -13,6 +13,7 @@ import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bench import gpu_bench
-from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model, count_parameters
+from vlmq.workers.testing.tiny import FAMILIES, count_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 # Published parameter counts of Qwen2.5-VL-3B, Qwen3-VL-2B, InternVL3-2B (in billions).
@@ -141,9 +142,9 @@ def test_budget_estimates_from_steps_seen() -> None:
     assert reason is not None and reason.startswith("m / sdpa / image: skipped by the time budget")
 
 
-def test_fast_build_has_the_tiny_builders_layout(tmp_path: Path) -> None:
+def test_fast_build_has_the_tiny_builders_layout(tmp_path: Path, checkpoint: Any) -> None:
     fast = gpu_bench.build_checkpoint(tmp_path / "fast", "qwen3_vl", "tiny", "cpu", "float32")
-    reference = build_tiny_model(tmp_path / "ref", "qwen3_vl", "tiny")
+    reference = checkpoint("qwen3_vl", "tiny")
     assert sorted(p.name for p in fast.path.iterdir()) == sorted(
         p.name for p in reference.iterdir()
     )

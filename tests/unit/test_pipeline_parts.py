@@ -18,14 +18,14 @@ from vlmq.workers.engine.prepare import video_content, visual_downscale
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import Downscale, MediaCache, MediaLoader, decode_image
 from vlmq.workers.testing.samples import make_image, make_video_bytes, save_image, save_video
-from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model
+from vlmq.workers.testing.tiny import FAMILIES
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param)
+def family_dir(request: pytest.FixtureRequest, checkpoint: Any) -> Path:
+    return Path(checkpoint(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +165,8 @@ def test_video_frames_are_downscaled_as_they_are_converted() -> None:
     assert video.frames[0].size == (149, 84)
 
 
-def test_the_engine_steps_give_what_run_gives(tmp_path: Path, media: Path) -> None:
-    model = build_tiny_model(tmp_path / "qwen", "qwen2_5_vl")
+def test_the_engine_steps_give_what_run_gives(checkpoint: Any, media: Path) -> None:
+    model = checkpoint("qwen2_5_vl")
     engine = Engine(str(model), EngineSettings(), MediaSettings(local_roots=[str(media)])).setup()
     from vlmq.config.schemas import Request
 
@@ -206,7 +206,7 @@ def test_processors_run_on_a_cuda_models_device_with_the_torchvision_backend() -
     assert processor_device(pil, "cuda:0") is None  # the pil processors are CPU-only
 
 
-def test_the_device_reaches_the_processors(tmp_path: Path, media: Path) -> None:
+def test_the_device_reaches_the_processors(checkpoint: Any, media: Path) -> None:
     """The runner passes ``device`` through ``processor_kwargs``; on CPU the tensors equal a
     call without it (on CUDA they come back on the GPU and are not pinned)."""
     from vlmq.config.schemas import Request
@@ -214,7 +214,7 @@ def test_the_device_reaches_the_processors(tmp_path: Path, media: Path) -> None:
     from vlmq.workers.engine.prepare import Prepared
     from vlmq.workers.engine.runner import BatchRunner
 
-    model = build_tiny_model(tmp_path / "qwen", "qwen2_5_vl")
+    model = checkpoint("qwen2_5_vl")
     loaded = load_model(str(model), EngineSettings())
     loader = MediaLoader(MediaSettings(local_roots=[str(media)]), cache=MediaCache(0))
     conversation = _conversation(loader, media, loaded.processor)

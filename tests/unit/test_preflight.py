@@ -25,15 +25,13 @@ from vlmq.workers.testing.samples import (
     save_image,
     save_video,
 )
-from vlmq.workers.testing.tiny import build_tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+def models(checkpoint: Any) -> dict[str, Path]:
+    return {family: checkpoint(family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")

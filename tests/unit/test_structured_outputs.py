@@ -18,7 +18,6 @@ from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.testing.samples import save_image
 from vlmq.workers.testing.structured import check_record, mixed_lines
-from vlmq.workers.testing.tiny import build_tiny_model
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 
@@ -31,10 +30,10 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def engine(request, tmp_path_factory, media):
+def engine(request, checkpoint, media):
     from vlmq.workers.engine import Engine
 
-    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    folder = checkpoint(request.param)
     settings = EngineSettings(max_new_tokens_default=12)
     engine = Engine(str(folder), settings, MediaSettings(local_roots=[str(media)])).setup()
     yield engine

@@ -183,9 +183,9 @@ def _generate(model: Any, inputs: Any) -> tuple[list[list[int]], Any]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+def built(checkpoint: Any) -> dict[str, Path]:
+    """The run's shared checkpoints (tests/conftest.py): what every other test loads."""
+    return {family: checkpoint(family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")

@@ -238,7 +238,7 @@ class VllmEngine:
     def _start(self) -> Any:
         try:
             from vllm import EngineArgs, LLMEngine
-            from vllm.config import StructuredOutputsConfig
+            from vllm.config import CompilationConfig, CompilationMode, StructuredOutputsConfig
         except ImportError as exc:
             raise ConfigError(
                 "--engine vllm needs the vllm package: pip install 'vlmq[vllm]' on a GPU, "
@@ -268,6 +268,7 @@ class VllmEngine:
                 backend="guidance", disable_any_whitespace=True
             ),
             max_logprobs=MAX_TOP_LOGPROBS,
+            **_compilation(settings.torch_compile, CompilationConfig, CompilationMode),
         )
         started = time.perf_counter()
         llm = LLMEngine.from_engine_args(args)
@@ -477,6 +478,11 @@ class VllmEngine:
 
     def _token_bytes(self, token_id: int) -> bytes:
         return bytes(self._book.token_bytes(token_id))
+
+
+def _compilation(torch_compile: bool, config: Any, modes: Any) -> dict[str, Any]:
+    """vLLM's own compilation unless ``torch_compile`` is off: then none (plain PyTorch)."""
+    return {} if torch_compile else {"compilation_config": config(mode=modes.NONE)}
 
 
 def _finish(completion: Any) -> FinishReason:

@@ -87,6 +87,7 @@ class Harness:
         self.proxy: Proxy | None = None
         self.bucket = "faults"
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.logs: dict[int, Path] = {}  # worker pid -> its log file
         self.redis_proxies: list[Proxy] = []
         self._client: Client | None = None
 
@@ -166,7 +167,8 @@ class Harness:
         """A ``vlmq worker`` process; its log goes to ``workdir/logs/worker-N.log``."""
         logs = self.workdir / "logs"
         logs.mkdir(exist_ok=True)
-        with (logs / f"worker-{len(self.workers)}.log").open("wb") as log:
+        path = logs / f"worker-{len(self.workers)}.log"
+        with path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "vlmq", "--log-level", "info", "worker", *args],
                 cwd=self.workdir,
@@ -175,7 +177,15 @@ class Harness:
                 stderr=subprocess.STDOUT,
             )
         self.workers.append(proc)
+        self.logs[proc.pid] = path
         return proc
+
+    def wait_logged(self, proc: subprocess.Popen[bytes], text: str, timeout: float = 60) -> None:
+        """Until ``proc``'s log says ``text``."""
+        path = self.logs[proc.pid]
+        wait_until(
+            lambda: text in path.read_text(errors="replace"), timeout=timeout, what=repr(text)
+        )
 
     def noop_worker(self, name: str, delay_s: float = 0.2, **env: str) -> subprocess.Popen[bytes]:
         return self.worker(

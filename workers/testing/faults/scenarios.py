@@ -111,7 +111,17 @@ def redis_restart_without_persistence(h: Harness, tasks: int) -> dict[str, Any]:
     h.redis.kill()
     h.redis.start()
     h._client = None
-    time.sleep(3)  # give the worker time to reconnect and drain what is left
+    # The worker reconnects (its heartbeat record is back) and drains what is left.
+    keys = Keys()
+    wait_until(
+        lambda: (
+            h.client.redis.hexists(keys.workers(), "survivor")
+            and h.client.redis.llen(keys.queue("text")) == 0
+            and h.client.redis.hlen(keys.inflight()) == 0
+        ),
+        timeout=60,
+        what="the worker back and idle",
+    )
     statuses = h.statuses(ids)
     known = sum(s.get("state") != "unknown" for s in statuses)
     objects = len(h.objects(job))

@@ -115,7 +115,8 @@ def cut_off_holder(h: Harness, tasks: int = 16, delay_s: float = 7.0) -> dict[st
         timeout=60,
         what="the cut-off worker's batch to end",
     )
-    time.sleep(2.0)  # its uploads and its (refused) settle follow the batch's end
+    # Its uploads and its (refused) settle follow the batch's end.
+    h.wait_logged(cut_off, "results of superseded deliveries discarded")
     statuses = h.client.status_db.tasks(ids, ("worker",))
     return {
         **_delivery_figures(h, job, ids),

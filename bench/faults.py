@@ -1,6 +1,7 @@
 """The fault suite at full size; writes docs/reliability.md.
 
     python -m bench.faults [--quick] [--write docs/reliability.md]
+    python -m bench.faults --drill replies [--repeats 3] [--quick] [--write docs/reliability.md]
 
 Real redis-server, moto's S3 server behind a breakable TCP proxy, and real
 ``vlmq worker`` processes (the no-op engine for delivery faults, the tiny
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -119,6 +121,70 @@ def worker_core_runs(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return runs
 
 
+REPLY_DRILL_FULL = {
+    "bulk_lines": 3000,
+    "interactive_lines": 1000,
+    "api_tasks": 500,
+    "client_tasks": 1000,
+    "cancelled_tasks": 1000,
+}
+
+
+def reply_drill(repeats: int, quick: bool) -> list[dict[str, Any]]:
+    """The lost-replies drill (tests/support/reply_drill.py), ``repeats`` seeds."""
+    from tests.support.fleet import Processes
+    from tests.support.reply_drill import DrillSizes, run_reply_drill
+    from tests.support.replydrop import ReplyDropProxy
+    from vlmq.workers.testing.services import MotoServer, RedisServer
+
+    # moto's server takes any credentials; this process reads results through it too.
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    runs = []
+    for seed in range(repeats):
+        workdir = Path(tempfile.mkdtemp(prefix="vlmq-reply-drill-"))
+        sizes = DrillSizes(seed=seed) if quick else DrillSizes(seed=seed, **REPLY_DRILL_FULL)
+        redis, moto = RedisServer(workdir / "redis").start(), MotoServer().start()
+        fleet = Processes(redis.url, moto, workdir)
+        try:
+            with ReplyDropProxy(redis.port) as proxy:
+                figures = run_reply_drill(fleet, proxy, workdir, sizes).as_dict()
+        finally:
+            fleet.stop()
+            redis.kill()
+            moto.stop()
+        figures["violations"] = len(figures["violations"])
+        print(f"reply drill, seed {seed}: {json.dumps(figures)}", flush=True)
+        runs.append(figures)
+    return runs
+
+
+def _drill_table(runs: list[dict[str, Any]], command: str) -> str:
+    columns = [
+        "commands",
+        "replies_dropped",
+        "jobs",
+        "tasks",
+        "writes_applied_twice",
+        "results_lost",
+        "cancelled_that_ran",
+        "seconds",
+    ]
+    lines = [
+        f"Command: `{command}`. Machine: {machine()}. One reply in twenty of every command that "
+        "writes lost (the command ran; its connection closed before the reply), on every "
+        "connection of every process: `vlmq submit` (bulk and interactive lanes), the HTTP API "
+        "(`POST /v1/tasks:batch`), the Python client (a job, and one cancelled while it runs), "
+        "two no-op workers (lease 3 s, batches of 4).",
+        "",
+        "| seed | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
+        "| --- |" + " ---: |" * len(columns),
+    ]
+    for seed, run in enumerate(runs):
+        lines.append(f"| {seed} | " + " | ".join(f"{run[c]:,}" for c in columns) + " |")
+    return "\n".join(lines)
+
+
 def _table(results: dict[str, dict[str, Any]], command: str) -> str:
     lines = [
         f"Command: `{command}`. Machine: {machine()}.",
@@ -138,7 +204,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--write", default=None)
+    parser.add_argument("--drill", choices=["replies"], default=None)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.drill == "replies":
+        runs = reply_drill(args.repeats, args.quick)
+        command = f"python -m bench.faults --drill replies --repeats {args.repeats}"
+        table = _drill_table(runs, command + (" --quick" if args.quick else ""))
+        print(table)
+        if args.write:
+            replace_section(Path(args.write), "reply-drill", table)
+        return
     results = run(QUICK if args.quick else FULL)
     command = "python -m bench.faults" + (" --quick" if args.quick else "")
     table = _table(results, command)

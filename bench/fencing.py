@@ -51,7 +51,7 @@ elif command == "finished":
 else:
     job = sys.argv[5]
     ids = list(client.job_task_ids(job))
-    rows = client.status_db.tasks(ids, ("state", "started_at", "finished_at"))
+    rows = client.state.tasks.many(ids, ("state", "started_at", "finished_at"))
     done = [r for r in rows if r.get("state") == "succeeded"]
     print(json.dumps({
         "succeeded": len(done),

@@ -163,7 +163,7 @@ def _registered(bench: Bench) -> bool:
 
 
 def _finished(bench: Bench, job: str) -> bool:
-    return bench.client.status_db.job(job).finished
+    return bench.client.state.jobs.get(job).finished
 
 
 def _text_items(n: int, prefix: str) -> list[dict[str, Any]]:
@@ -216,7 +216,7 @@ def _time_send_task(url: str, n: int) -> float:
 def _job_queue(bench: Bench, job: str) -> str:
     """The list a job's messages went to (as recorded in its first task's status)."""
     first = next(bench.client.job_task_ids(job))
-    return bench.client.status_db.task(first)["queue"]
+    return bench.client.state.tasks.get(first)["queue"]
 
 
 def _expected_lengths(job_queue: str, sent: int, enqueued: int) -> dict[str, int]:
@@ -300,9 +300,9 @@ def measure_status(bench: Bench, ids: list[str], report: Report) -> None:
             _best_ms(lambda: bench.client.statuses(ids)),
         ),
         (
-            "`client.status_db.tasks(ids)` (full hashes, one pipelined round trip)",
+            "`client.state.tasks.many(ids)` (full hashes, one pipelined round trip)",
             len(ids),
-            _best_ms(lambda: bench.client.status_db.tasks(ids)),
+            _best_ms(lambda: bench.client.state.tasks.many(ids)),
         ),
     ]
     _progress(f"status: {report.status[0][2]:.0f} ms / {report.status[1][2]:.0f} ms")
@@ -326,7 +326,7 @@ def measure_raw_brpop(bench: Bench, n: int) -> float:
 
 
 def _drain_seconds(bench: Bench, ids: Sequence[str]) -> float:
-    rows = bench.client.status_db.tasks(ids, ("state", "started_at", "finished_at"))
+    rows = bench.client.state.tasks.many(ids, ("state", "started_at", "finished_at"))
     bad = [row for row in rows if row.get("state") != "succeeded"]
     if bad:
         raise RuntimeError(f"{len(bad)} tasks did not succeed, e.g. {bad[0]}")

@@ -61,7 +61,7 @@ def measure(variant: str, workdir: Path, tasks: int, workers: int) -> Run:
         procs = _start_workers(workdir, cluster.url, results, workers, extra)
         try:
             deadline = time.monotonic() + 900
-            while not client.status_db.job(job).finished:
+            while not client.state.jobs.get(job).finished:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the job did not drain")
                 if any(p.poll() is not None for p in procs):
@@ -70,7 +70,7 @@ def measure(variant: str, workdir: Path, tasks: int, workers: int) -> Run:
         finally:
             _stop(procs)
         ids = list(client.job_task_ids(job))
-        rows = client.status_db.tasks(ids, ("state", "started_at", "finished_at"))
+        rows = client.state.tasks.many(ids, ("state", "started_at", "finished_at"))
         done = [r for r in rows if r.get("state") == "succeeded"]
         if len(done) != tasks:
             raise RuntimeError(f"{variant}: {len(done)} of {tasks} succeeded")

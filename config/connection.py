@@ -6,9 +6,12 @@ Decided here, once, for every process:
   some other producer) become U+FFFD instead of failing the whole reply, so such a message
   fails alone as an invalid request;
 * bounded socket timeouts, so a hung Redis fails a call instead of holding it forever;
-* a connection error is retried twice with a short exponential backoff before it reaches the
-  caller (whose own loop backs off further); a timeout is not retried here, because the
-  command may have run (the caller knows whether retrying it is safe).
+* a connection error is retried (five times, with a short exponential backoff) before it
+  reaches the caller, whose own loop backs off further: a reply lost to a reset means the
+  command may have run, and every write vlmq makes is safe to send again (the scripts that
+  are not safe to repeat answer a resend of the same call with their first reply:
+  ``config/scripts.py``). A timeout is not retried here; the caller retries it, as the same
+  call where that matters.
 
 ``VLMQ_REDIS_URL`` is a plain ``redis://``, ``rediss://`` or ``unix://`` URL (redis-py's
 ``from_url``), or a Sentinel address::
@@ -43,6 +46,7 @@ from vlmq.config.errors import ConfigError
 from vlmq.config.settings import Settings
 
 __all__ = [
+    "CONNECTION_RETRIES",
     "SENTINEL_SCHEME",
     "TRANSIENT_REDIS_ERRORS",
     "SentinelAddress",
@@ -60,6 +64,10 @@ TRANSIENT_REDIS_ERRORS: tuple[type[Exception], ...] = (
     ReadOnlyError,
     OutOfMemoryError,
 )
+
+# Resends of a command whose connection failed (1 in 20 replies lost leaves a command failing
+# all six tries once in 64 million).
+CONNECTION_RETRIES = 5
 
 SENTINEL_SCHEME = "redis+sentinel"
 DEFAULT_SENTINEL_PORT = 26379
@@ -175,7 +183,7 @@ def create_redis(settings: Settings, *, timeout_s: float | None = None) -> redis
         "health_check_interval": 10,
         "retry": Retry(
             ExponentialWithJitterBackoff(base=0.05, cap=1.0),
-            retries=2,
+            retries=CONNECTION_RETRIES,
             supported_errors=(redis.ConnectionError,),
         ),
     }

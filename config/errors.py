@@ -16,6 +16,7 @@ that never contains a raw exception text, a stack trace or an object repr.
     │   ├── PromptTooLong         prompt_too_long
     │   ├── GenerationFailed      generation_failed
     │   ├── DeadLettered          dead_lettered
+    │   ├── ResultNotStored       result_not_stored (the store refused its object for good)
     │   └── Expired               expired
     ├── RetryableError            transient; retried with backoff, then failed
     │   ├── MediaFetchTransient   media_fetch_failed (5xx, 429, timeout, DNS)
@@ -47,6 +48,7 @@ __all__ = [
     "PermanentError",
     "PromptTooLong",
     "QuotaExceeded",
+    "ResultNotStored",
     "RetryableError",
     "StagingRefused",
     "StoreUnavailable",
@@ -139,6 +141,10 @@ class DeadLettered(PermanentError):
     """Delivered too many times without finishing (its worker died each time)."""
 
     code = "dead_lettered"
+
+
+class ResultNotStored(PermanentError):
+    code = "result_not_stored"
 
 
 class Expired(PermanentError):

@@ -25,11 +25,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import islice
 
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.config.ids import claim_of, fed_task_id
 from vlmq.config.jsonl import LineError
+from vlmq.config.memory import MemoryGauge
 from vlmq.config.results import ResultStore
 from vlmq.config.settings import FleetSettings
+from vlmq.config.state import State
+from vlmq.config.state.jobs import Queued
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import Queued, StatusDB, claim_of, fed_task_id
 from vlmq.config.wire import encode_message
 
 __all__ = ["FeedCounts", "FeedLine", "Feeder"]
@@ -97,95 +101,149 @@ class _Job:
     number: str
     expires: datetime | None
     live: int  # its tasks in Redis that have not ended
+    live_bytes: int = 0  # about what their messages take
+
+
+@dataclass
+class Room:
+    """What a job's window has left this turn: lines and message bytes."""
+
+    lines: int
+    bytes: int
 
 
 class Feeder:
+    """Feeds jobs from their staged inputs while each job's Redis share has room: at most
+    ``window`` live tasks and about ``window_bytes`` of their messages (a job whose lines
+    carry inline media fills its window by bytes long before by count), and nothing while
+    Redis is over ``max_memory_share`` of its ``maxmemory`` (``memory``)."""
+
     def __init__(
         self,
-        status: StatusDB,
+        state: State,
         store: ResultStore,
         window: int,
         chunk: int = 2000,
         lease_s: float = 60.0,
         max_line_errors: int = 1000,
+        window_bytes: int = 256 * 2**20,
+        memory: MemoryGauge | None = None,
+        max_memory_share: float = 0.8,
     ) -> None:
-        self.status = status
-        self.keys = status.keys
+        self.state = state
+        self.keys = state.keys
         self.store = store
         self.window = window
+        self.window_bytes = window_bytes
         self.chunk = chunk
         self.lease_s = lease_s
         self.max_line_errors = max_line_errors
+        self.memory = memory or MemoryGauge()
+        self.max_memory_share = max_memory_share
 
     @classmethod
     def for_fleet(
-        cls, status: StatusDB, store: ResultStore, fleet: FleetSettings, chunk: int = 2000
+        cls, state: State, store: ResultStore, fleet: FleetSettings, chunk: int = 2000
     ) -> Feeder:
-        """A feeder with the fleet's window, lease and error cap (submitters and workers)."""
+        """A feeder with the fleet's windows, lease, error cap and memory share (submitters
+        and workers)."""
         return cls(
-            status, store, fleet.feed_window, chunk, fleet.feed_lease_s, fleet.max_line_errors
+            state,
+            store,
+            fleet.feed_window,
+            chunk,
+            fleet.feed_lease_s,
+            fleet.max_line_errors,
+            fleet.feed_window_bytes,
+            max_memory_share=fleet.feed_max_memory_share,
         )
 
     # the fleet's loop ------------------------------------------------------
     def run_once(self, limit: int = 16) -> int:
         """Lease feeds nobody is feeding, top each job up to its window; lines fed."""
         fed = 0
-        for feed_id in self.status.take_feeds(self.lease_s, limit):
+        for feed_id in self.state.feeds.take(self.lease_s, limit):
             try:
                 fed += self.feed(feed_id).enqueued
             finally:
-                self.status.release_feed(feed_id)
+                self.state.feeds.release(feed_id)
         return fed
 
     # one feed --------------------------------------------------------------
     def feed(self, feed_id: str, most: int | None = None) -> FeedCounts:
-        """Feed ``feed_id`` until its job's window is full, its input ends, or another
-        feeder moved it on; at most ``most`` lines."""
+        """Feed ``feed_id`` until its job's window is full (by count or bytes), its input
+        ends, Redis is too full, or another feeder moved it on; at most ``most`` lines."""
         counts = FeedCounts()
-        state = self.status.feed_state(feed_id)
+        state = self.state.feeds.state(feed_id)
         job = self._job(state["job"]) if state else None
         if job is None:
             return counts
-        room = self.window - job.live
+        room = Room(self.window - job.live, self.window_bytes - job.live_bytes)
         if most is not None:
-            room = min(room, most)
+            room.lines = min(room.lines, most)
         cursor, lane = int(state["cursor"]), state.get("lane") or "bulk"
         lines = self.store.lines(state["input"], cursor)
-        while room > 0:
-            chunk = list(islice(lines, min(room, self.chunk)))
+        while room.lines > 0 and room.bytes > 0 and not self._redis_full():
+            chunk = list(islice(lines, min(room.lines, self.chunk)))
             if not chunk:
                 if counts.enqueued + counts.skipped + counts.duplicates == 0:
                     self._lost_input(job.job_id, feed_id, state)
                 break
-            end = chunk[-1][0]
-            outcome, codes = self._apply(job, feed_id, lane, (cursor, end), chunk)
+            outcome, codes, taken = self._apply(job, feed_id, lane, cursor, chunk, room)
             if outcome != "fed":
                 break
             counts.add(codes)
-            room -= len(chunk)
-            cursor = end
+            cursor = taken
+            if taken != chunk[-1][0]:
+                break  # the byte window is full: the rest of the chunk is read again next time
         return counts
+
+    def _redis_full(self) -> bool:
+        """Redis is over the share of maxmemory feeding leaves to the rest of the fleet."""
+        try:
+            return self.memory.share(self.state.redis) >= self.max_memory_share
+        except TRANSIENT_REDIS_ERRORS:
+            return True
 
     def _apply(
         self,
         job: _Job,
         feed_id: str,
         lane: str,
-        span: tuple[int, int],
+        cursor: int,
         chunk: list[tuple[int, bytes]],
-    ) -> tuple[str, list[str]]:
-        parsed = [self._parse(raw, feed_id) for _, raw in chunk]
-        valid = [line for line in parsed if line is not None]
+        room: Room,
+    ) -> tuple[str, list[str], int]:
+        """Feed the head of ``chunk`` that fits ``room``; returns the outcome, per line codes
+        and the cursor after the lines it took."""
         submission = feed_id.partition(".")[2]
-        queued = [self._queued(job, line, submission, lane) for line in valid]
-        cursor = (str(span[0]), str(span[1]))
-        outcome, codes = self.status.feed(job.job_id, feed_id, cursor, len(chunk), queued, lane)
+        taken: list[tuple[FeedLine | None, Queued | None]] = []
+        spent, end = 0, cursor
+        for offset, raw in chunk:
+            line = self._parse(raw, feed_id)
+            queued = self._queued(job, line, submission, lane) if line is not None else None
+            size = len(queued.message) if queued is not None else 0
+            # One line at least, whatever its size: a line larger than the window runs alone.
+            if taken and spent + size > room.bytes:
+                break
+            taken.append((line, queued))
+            spent, end = spent + size, offset
+        valid = [(line, queued) for line, queued in taken if queued is not None]
+        span = (str(cursor), str(end))
+        queued_lines = [q for _, q in valid if q is not None]
+        outcome, codes = self.state.feeds.feed(
+            job.job_id, feed_id, span, len(taken), queued_lines, lane
+        )
         if outcome == "fed":
+            room.lines -= len(taken)
+            room.bytes -= spent
             duplicates = [
-                _duplicate(line) for line, code in zip(valid, codes, strict=True) if code == "d"
+                _duplicate(line)
+                for (line, _), code in zip(valid, codes, strict=True)
+                if code == "d" and line is not None
             ]
-            self.status.record_line_errors(job.job_id, duplicates, self.max_line_errors)
-        return outcome, codes
+            self.state.jobs.record_line_errors(job.job_id, duplicates, self.max_line_errors)
+        return outcome, codes, end
 
     def _lost_input(self, job_id: str, feed_id: str, state: dict[str, str]) -> None:
         """Lines are left but the input has none from the cursor on (the object was removed
@@ -193,7 +251,7 @@ class Feeder:
         if self.store.size(state["input"]) is not None and int(state.get("left") or 0) <= 0:
             return
         log.error("feed %s: its input %s is gone; its unfed lines fail", feed_id, state["input"])
-        self.status.drop_feed(job_id, feed_id, TaskState.FAILED)
+        self.state.feeds.drop(job_id, feed_id, TaskState.FAILED)
 
     def _parse(self, raw: bytes, feed_id: str) -> FeedLine | None:
         try:
@@ -205,14 +263,17 @@ class Feeder:
             return None
 
     def _job(self, job_id: str) -> _Job | None:
-        fields = ("seq", "expires_at", "queued", "running", "unfed")
-        values = self.status.redis.hmget(self.keys.job(job_id), fields)
-        seq, expires_at, queued, running, unfed = values
+        fields = ("seq", "expires_at", "queued", "running", "unfed", "fed_bytes", "fed_lines")
+        values = self.state.redis.hmget(self.keys.job(job_id), fields)
+        seq, expires_at, queued, running, unfed, fed_bytes, fed_lines = values
         if seq is None:
             return None
         expires = datetime.fromtimestamp(float(expires_at), tz=timezone.utc) if expires_at else None
         live = int(queued or 0) + int(running or 0) - int(unfed or 0)
-        return _Job(job_id, str(seq), expires, live)
+        # Its live tasks' bytes, at the mean size of the messages fed so far (the messages
+        # themselves are not counted one by one as they leave).
+        mean = int(fed_bytes or 0) / max(1, int(fed_lines or 0))
+        return _Job(job_id, str(seq), expires, live, int(live * mean))
 
     def _queued(self, job: _Job, line: FeedLine, submission: str, lane: str) -> Queued:
         claim = claim_of(line.custom_id)

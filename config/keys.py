@@ -83,6 +83,17 @@ class Keys:
         """Hash task id -> the fair-share set its job list belongs to (job lists only)."""
         return f"{self.prefix}:inflight:active"
 
+    def bookkeeping(self) -> list[str]:
+        """KEYS[1..5] of every in-flight script (lua/intake.lua): in-flight messages, leases,
+        origin queues, origin fair-share sets, job-list depths."""
+        return [
+            self.inflight(),
+            self.leases(),
+            self.lease_queue(),
+            self.lease_active(),
+            self.job_depth(),
+        ]
+
     def dead_letters(self) -> str:
         return f"{self.prefix}:dead"
 
@@ -200,3 +211,14 @@ class Keys:
     def workers(self) -> str:
         """Hash worker name -> heartbeat record."""
         return f"{self.prefix}:workers"
+
+    def workers_heard(self) -> str:
+        """Sorted set worker name -> Redis's time of its last heartbeat (silent ones' records
+        are pruned)."""
+        return f"{self.prefix}:workers:heard"
+
+    # calls -----------------------------------------------------------------
+    def call(self, call_id: str) -> str:
+        """The reply a call that is not safe to repeat keeps for its retries
+        (config/scripts.py)."""
+        return f"{self.prefix}:call:{call_id}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 from typing import IO, Any
 
 from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge
@@ -24,6 +25,17 @@ __all__ = [
 
 _MAX_DATA_URI_HEADER = 256
 _WHITESPACE = str.maketrans("", "", " \t\r\n")
+
+
+def check_path_name(path: str) -> None:
+    """A local media path that can name a file: no NUL, valid Unicode (a lone surrogate has
+    no file-system name). InvalidRequest otherwise."""
+    if "\x00" in path:
+        raise InvalidRequest("media path contains a NUL character")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InvalidRequest("media path is not valid Unicode") from None
 
 
 def decode_data_uri(uri: str, cap: int) -> tuple[str, bytes]:

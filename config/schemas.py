@@ -28,12 +28,11 @@ from vlmq.config.constraints import (
     ConstraintError,
     constraint_of,
 )
-from vlmq.config.tenants import ID_PATTERN
+from vlmq.config.ids import ID_MAX_LENGTH, ID_PATTERN
 
 __all__ = [
     "MAX_N",
     "MAX_TOP_LOGPROBS",
-    "TASK_ID_PATTERN",
     "Choice",
     "FinishReason",
     "GenerationParams",
@@ -60,11 +59,6 @@ class Modality(str, Enum):
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
-
-
-# A task id names Redis keys and store objects: plain characters only. The pull script
-# (config/scripts.lua, plain()) applies the same rule to ids it reads from raw messages.
-TASK_ID_PATTERN = ID_PATTERN
 
 
 def new_task_id() -> str:
@@ -266,9 +260,9 @@ class Request(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: str = Field(default_factory=new_task_id, pattern=TASK_ID_PATTERN)
+    id: str = Field(default_factory=new_task_id, pattern=ID_PATTERN, max_length=ID_MAX_LENGTH)
     custom_id: str | None = Field(None, max_length=512)
-    job_id: str | None = Field(None, pattern=ID_PATTERN)
+    job_id: str | None = Field(None, pattern=ID_PATTERN, max_length=ID_MAX_LENGTH)
     messages: list[Message] = Field(min_length=1)
     generation: GenerationParams = Field(default_factory=GenerationParams)
 

@@ -118,6 +118,9 @@ class FaultInjection(BaseModel):
     # Exit the worker process abruptly (as a segfault or an OOM kill would)
     # when a batch holds a request whose text contains this marker.
     crash_marker: str | None = None
+    # The same while the request is prepared (before it starts: a native decoder crash or an
+    # OOM kill while decoding).
+    prepare_crash_marker: str | None = None
     # The first N settles of a worker raise an unexpected error (a bug in settling).
     settle_errors: int = Field(0, ge=0)
     # The worker's Nth heartbeat raises an unexpected error (a bug in the renewal thread).
@@ -225,6 +228,10 @@ class FleetSettings(BaseModel):
     # Delivered this many times without ever starting (each holder died before it ran, or
     # handling the message itself killed it): dead-lettered before it is even decoded.
     max_unstarted_deliveries: int = Field(10, ge=2)
+    # A request whose holders died this many times before starting it is prepared alone,
+    # after its batch-mates are settled (and dead-lettered after max_deliveries such deaths
+    # alone): a request that kills its worker while being prepared takes only itself down.
+    isolate_after_prestart_deaths: int = Field(2, ge=1)
     # A message larger than this fails as invalid_request without being parsed.
     max_message_bytes: int = Field(64 * MiB, ge=1024)
     # One engine call running longer than this is stuck: the worker exits and its messages
@@ -256,6 +263,12 @@ class FleetSettings(BaseModel):
     # Tasks of one bulk job held in Redis at most (queued or running); the rest of its input
     # waits in the store and is fed as they finish (config/feeding.py).
     feed_window: int = Field(50_000, ge=1)
+    # ... and about this many bytes of their messages (lines with inline media fill a window
+    # by bytes long before by count); a single larger line still runs, alone.
+    feed_window_bytes: int = Field(256 * MiB, ge=1)
+    # Feeders add nothing while Redis uses more than this share of its maxmemory (none set:
+    # no limit), so queued work never crowds out the fleet's own bookkeeping.
+    feed_max_memory_share: float = Field(0.8, gt=0, le=1)
     # A feeder (the submitter, then any worker) holds a feed under this lease; one that died
     # is replaced when it lapses, and resumes from the feed's cursor.
     feed_lease_s: float = Field(60.0, gt=0)
@@ -270,6 +283,9 @@ class FleetSettings(BaseModel):
     # not failed: the write is done on the master.
     settle_wait_replicas: int = Field(0, ge=0)
     settle_wait_timeout_ms: int = Field(1000, ge=1)
+    # How long the reply of a call that is not safe to repeat is kept for a retry of that
+    # call (config/scripts.py): longer than redis-py's resends take.
+    replay_ttl_s: int = Field(60, ge=5)
 
 
 class ApiSettings(BaseModel):

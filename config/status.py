@@ -6,7 +6,7 @@ A task moves only forward::
        └───────────────────────────> cancelled | expired
 
 A redelivered task may go ``running`` again; a terminal state never changes. ``TRANSITIONS``
-is the whole table; the status script (``config/statusdb.py``) enforces it inside Redis.
+is the whole table; ``lua/tasks.lua`` enforces it inside Redis.
 
 A job's state is read from its counters and flags by :meth:`JobStatus.from_hash`; every reader
 (the CLI, the client, webhooks, the OpenAI batch mapping) takes ``JobStatus.state`` from there.

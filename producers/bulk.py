@@ -2,8 +2,9 @@
 
 A submission reads its input line by line, never whole, in one pass that validates every
 line, gives a line without a ``custom_id`` one from its content (not its line number, so an
-edited file resubmits correctly), stages its local and inline media (producers/staging.py)
-and writes the valid lines, normalised, as one object in the store; invalid lines become
+edited file resubmits correctly), stages its local and inline media (producers/staging.py:
+relative paths against the input's folder and inside it; a remote input's local paths are
+never read) and writes the valid lines, normalised, as one object in the store; invalid lines become
 error records (the first ``fleet.max_line_errors``; all are counted). A file whose invalid
 share passes ``fleet.max_invalid_share`` fails validation as a whole before anything runs.
 
@@ -31,12 +32,11 @@ from typing import Protocol
 
 from vlmq.config.errors import InvalidRequest, QuotaExceeded, StagingRefused
 from vlmq.config.feeding import FeedCounts, Feeder
+from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
 from vlmq.config.results import BlobWriter
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
-from vlmq.config.statusdb import new_submission_id
-from vlmq.config.tenants import check_id
 from vlmq.producers.client import Client
 from vlmq.producers.preflight.accumulator import Preflight
 
@@ -50,10 +50,12 @@ _WINDOW = 2000
 
 class Stager(Protocol):
     """Uploads requests' local and inline media and rewrites their references
-    (producers/staging.py): each request staged, or the error that fails it alone."""
+    (producers/staging.py): each request staged, or the error that fails it alone.
+    ``remote_input``: the lines came from a file read from elsewhere, so their local paths
+    name no file here and are never read."""
 
     def stage_all(
-        self, requests: Sequence[Request], base_dir: Path | None
+        self, requests: Sequence[Request], base_dir: Path | None, *, remote_input: bool = False
     ) -> list[Request | InvalidRequest]: ...
 
 
@@ -131,6 +133,7 @@ def _check(
     stager: Stager | None,
     cap: int,
     observer: Observer | None = None,
+    remote_input: bool = False,
 ) -> _Checked:
     """Validate a window, stage its media together (in parallel on S3), normalise it."""
     checked = _Checked(len(window), 0, b"", [], 0)
@@ -152,7 +155,8 @@ def _check(
             good.append(parsed)
     requests = [p.request for p in good if p.request is not None]
     accepted: list[tuple[tuple[str, ...], bytes]] = []
-    for parsed, outcome in zip(good, _staged(requests, base_dir, stager), strict=True):
+    staged = _staged(requests, base_dir, stager, remote_input)
+    for parsed, outcome in zip(good, staged, strict=True):
         if isinstance(outcome, StagingRefused):
             checked.refused = outcome.message  # no store can take it, no worker can read it
             return checked
@@ -170,10 +174,10 @@ def _check(
 
 
 def _staged(
-    requests: list[Request], base_dir: Path | None, stager: Stager | None
+    requests: list[Request], base_dir: Path | None, stager: Stager | None, remote_input: bool
 ) -> list[Request | InvalidRequest]:
     if stager is not None:
-        return stager.stage_all(requests, base_dir)
+        return stager.stage_all(requests, base_dir, remote_input=remote_input)
     if base_dir is None:
         return list(requests)
     return [r.resolve_local_paths(base_dir) for r in requests]
@@ -183,18 +187,31 @@ def _staged(
 _PROCESS_STAGER: Stager | None = None
 
 
-def _start_process(settings: Settings, stage: bool) -> None:
+def _start_process(settings: Settings, stage: bool, local_files: bool, outside: bool) -> None:
     global _PROCESS_STAGER
     if stage:
         from vlmq.producers.staging import MediaStager
 
-        _PROCESS_STAGER = MediaStager(settings)
+        _PROCESS_STAGER = MediaStager(settings, local_files=local_files, allow_outside_base=outside)
+
+
+def _stager_options(stager: Stager | None) -> tuple[bool, bool]:
+    """What a validating process's own stager shares with the submitter's: whether it reads
+    local files, and whether a relative path may leave the input's folder."""
+    return (
+        bool(getattr(stager, "local_files", True)),
+        bool(getattr(stager, "allow_outside_base", False)),
+    )
 
 
 def _check_in_process(
-    window: list[tuple[int, str]], job_id: str, base_dir: Path | None, cap: int
+    window: list[tuple[int, str]],
+    job_id: str,
+    base_dir: Path | None,
+    cap: int,
+    remote_input: bool,
 ) -> _Checked:
-    return _check(window, job_id, base_dir, _PROCESS_STAGER, cap)
+    return _check(window, job_id, base_dir, _PROCESS_STAGER, cap, remote_input=remote_input)
 
 
 class _Validation:
@@ -210,6 +227,7 @@ class _Validation:
         stager: Stager | None,
         observer: Observer | None,
         processes: int = 1,
+        remote_input: bool = False,
     ) -> None:
         if processes > 1 and observer is not None:
             raise ValueError("an observer sees every line in this process: processes=1")
@@ -219,6 +237,7 @@ class _Validation:
         self.stager = stager
         self.observer = observer
         self.processes = processes
+        self.remote_input = remote_input
         self.errors: list[LineError] = []
         self.cap = client.settings.fleet.max_line_errors
 
@@ -250,16 +269,18 @@ class _Validation:
         args = (self.job_id, self.base_dir)
         if self.processes <= 1:
             for window in windows:
-                yield _check(window, *args, self.stager, self.cap, self.observer)
+                yield _check(window, *args, self.stager, self.cap, self.observer, self.remote_input)
             return
         context = multiprocessing.get_context("spawn")  # nothing inherited: no fork hazards
-        start = (self.client.settings, self.stager is not None)
+        start = (self.client.settings, self.stager is not None, *_stager_options(self.stager))
         with ProcessPoolExecutor(
             self.processes, context, initializer=_start_process, initargs=start
         ) as pool:
             pending: deque[Future[_Checked]] = deque()
             for window in windows:
-                pending.append(pool.submit(_check_in_process, window, *args, self.cap))
+                pending.append(
+                    pool.submit(_check_in_process, window, *args, self.cap, self.remote_input)
+                )
                 if len(pending) >= 2 * self.processes:
                     yield pending.popleft().result()
             while pending:
@@ -302,24 +323,36 @@ def submit_jsonl(
     feed_first_window: bool = True,
     processes: int = 1,
     tenant: str | None = None,
+    remote_input: bool = False,
 ) -> SubmitReport:
     """Validate and stage ``lines`` into job ``job_id`` of ``tenant`` (default: the client's)
     and feed its first window (or leave all of it to the fleet's feeders); safe to call again
     with the same file (only what did not succeed and is not in flight runs). Raises
-    QuotaExceeded, feeding nothing, when its valid lines would pass the tenant's quota."""
+    QuotaExceeded, feeding nothing, when its valid lines would pass the tenant's quota.
+    ``remote_input``: ``lines`` come from a file read from elsewhere (an S3 object): no local
+    path they name is read, by the stager or the estimate; each such line fails alone unless
+    workers read it in place."""
     tenant = tenant or client.tenant
     check_id("job id", job_id)
     client.check_quota(tenant, 0)  # already over it: refused before reading the input
     report = SubmitReport(job_id, started=time.monotonic())
     fleet = client.settings.fleet
     if observer is None and client.settings.tenants.quota(tenant).max_queued_tokens is not None:
-        # The token quota counts the estimate, taken in the validation pass (one process).
-        observer, processes = Preflight(client.settings), 1
+        # The token quota counts the estimate, taken in the validation pass (one process); it
+        # opens local files only where the stager may (a local caller, a local input).
+        observer = Preflight(
+            client.settings,
+            local_files=client.local_media and not remote_input,
+            allow_outside_base=bool(getattr(stager, "allow_outside_base", False)),
+        )
+        processes = 1
     submission = new_submission_id()
-    number = client.status_db.open_job(
+    number = client.state.jobs.open(
         job_id, submission, name, completion_window_s, webhook_url, tenant
     )
-    validation = _Validation(client, job_id, base_dir, stager, observer, processes)
+    validation = _Validation(
+        client, job_id, base_dir, stager, observer, processes, remote_input=remote_input
+    )
     key = input_key(job_id, submission)
     try:
         try:
@@ -330,7 +363,7 @@ def submit_jsonl(
             # No store can take the media and no worker can read it: nothing runs, and the
             # message names the setting that fixes it.
             report.validation_error, size = exc.message, 0
-        client.status_db.record_line_errors(job_id, validation.errors, validation.cap)
+        client.state.jobs.record_line_errors(job_id, validation.errors, validation.cap)
         if report.validation_error is None and report.valid:
             tokens = observer.estimated_tokens if isinstance(observer, Preflight) else 0
             try:
@@ -339,16 +372,24 @@ def submit_jsonl(
                 client.store.delete(key)
                 raise
             report.feed_id = f"{number}.{submission}"
-            client.status_db.register_feed(
-                job_id, report.feed_id, key, report.valid, lane, size, fleet.feed_lease_s, tokens
+            client.state.feeds.register(
+                job_id,
+                report.feed_id,
+                key,
+                report.valid,
+                lane,
+                size,
+                fleet.feed_lease_s,
+                tokens,
+                read=(report.lines, report.errors),
             )
             _feed_first_window(client, report.feed_id, chunk, report, feed_first_window)
         else:
             client.store.delete(key)
             if report.validation_error:
-                client.status_db.fail_validation(job_id, report.validation_error)
+                client.state.jobs.fail_validation(job_id, report.validation_error)
     except BaseException:
-        client.status_db.release_submitter(job_id, submission)
+        client.state.jobs.release_submitter(job_id, submission)
         raise
     client.seal_job(job_id, submission, lines=report.lines, line_errors=report.errors)
     return report
@@ -374,11 +415,11 @@ def _feed_first_window(
     try:
         counts = feeder_for(client, chunk).feed(feed_id) if feed else FeedCounts()
     finally:
-        client.status_db.release_feed(feed_id)
+        client.state.feeds.release(feed_id)
     report.enqueued += counts.enqueued
     report.skipped += counts.skipped
     report.errors += counts.duplicates
 
 
 def feeder_for(client: Client, chunk: int = 2000) -> Feeder:
-    return Feeder.for_fleet(client.status_db, client.store, client.settings.fleet, chunk)
+    return Feeder.for_fleet(client.state, client.store, client.settings.fleet, chunk)

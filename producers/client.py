@@ -24,16 +24,16 @@ from redis import Redis
 
 from vlmq.config.connection import create_redis
 from vlmq.config.errors import InvalidRequest
+from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
-from vlmq.config.quotas import check_quota
 from vlmq.config.results import ResultStore, open_store, result_location
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
+from vlmq.config.state import State
+from vlmq.config.state.jobs import Queued
 from vlmq.config.status import TERMINAL, TaskState
-from vlmq.config.statusdb import Queued, StatusDB, new_submission_id
-from vlmq.config.tenants import check_id
-from vlmq.config.wire import encode_message, list_for_priority
+from vlmq.config.wire import encode_message
 from vlmq.producers.preflight.accumulator import Preflight
 from vlmq.producers.staging import MediaStager
 
@@ -74,11 +74,12 @@ class Client:
         self._preflight: Preflight | None = None
         self.redis = redis or create_redis(settings)
         self.keys = Keys(settings.fleet.key_prefix)
-        self.status_db = StatusDB(
+        self.state = State(
             self.redis,
             self.keys,
             ttl_s=settings.fleet.task_ttl_s,
             submitter_lease_s=settings.fleet.submitter_lease_s,
+            replay_ttl_s=settings.fleet.replay_ttl_s,
         )
         self._store = store
         self.local_media = local_media
@@ -104,11 +105,12 @@ class Client:
     ) -> list[int] | None:
         """Each request's estimated tokens (prompt incl. visual tokens, plus its output
         tokens), the worker's own arithmetic; None when the tenant has no token quota (the
-        estimate reads image headers: it is not paid for where nothing limits tokens)."""
+        estimate reads image headers: it is not paid for where nothing limits tokens). With
+        ``local_media`` False no local file is opened: its size is unknown to the estimate."""
         if self.settings.tenants.quota(tenant).max_queued_tokens is None:
             return None
         if self._preflight is None:
-            self._preflight = Preflight(self.settings)
+            self._preflight = Preflight(self.settings, local_files=self.local_media)
         estimates = (self._preflight.estimate(r, base_dir) for r in requests)
         return [e.prompt_tokens + e.output_tokens for e in estimates]
 
@@ -116,7 +118,7 @@ class Client:
         """QuotaExceeded when ``tasks`` more (``tokens`` their estimate) would pass the
         tenant's quota; nothing is enqueued then."""
         quota = self.settings.tenants.quota(tenant)
-        check_quota(self.redis, self.keys, tenant, quota, tasks, tokens)
+        self.state.tenants.check_quota(tenant, quota, tasks, tokens)
 
     # enqueue -------------------------------------------------------------
     def queued(
@@ -144,21 +146,19 @@ class Client:
 
     def enqueue(
         self,
-        pipe: Any,
         requests: list[Request],
         lane: str = "interactive",
         expires: datetime | None = None,
         tenant: str | None = None,
         estimates: list[int] | None = None,
     ) -> None:
-        """Write status hashes and messages of requests outside any bulk job (a lane's
-        own list) into the caller's pipeline: two commands per task, one push per list.
-        Each counts in its tenant's quota itself (its 'quota' field; scripts.lua, quotas).
-        A bulk job's tasks go through ``StatusDB.submit_tasks`` or a feed instead."""
+        """Enqueue requests outside any bulk job's own list (a lane's own list), all or
+        nothing, in one script call: each with its status hash, counted in its tenant's quota
+        itself (its 'quota' field) and in its job, if it names one. A bulk job's tasks go
+        through ``Jobs.submit`` or a feed instead."""
         tenant = tenant or self.tenant
         quota = self.keys.quota(tenant)
-        pushes: dict[str, list[str]] = {}
-        jobs: dict[str, int] = {}
+        lines = []
         for index, request in enumerate(requests):
             if request.job_id is not None and lane == "bulk":
                 raise InvalidRequest(
@@ -166,19 +166,8 @@ class Client:
                 )
             est = estimates[index] if estimates else None
             line = self.queued(request, lane, expires, tenant, est)
-            fields = {**line.fields, "quota": quota}
-            self.status_db.add_queued(pipe, request.id, fields, count_job=False)
-            queue = str(line.fields["queue"])
-            pushes.setdefault(list_for_priority(queue, 0), []).append(line.message)
-            if request.job_id:
-                jobs[request.job_id] = jobs.get(request.job_id, 0) + 1
-        for job_id, count in jobs.items():
-            self.status_db.count_queued(pipe, job_id, count)
-        pipe.hincrby(quota, "tasks", len(requests))
-        if estimates:
-            pipe.hincrby(quota, "tokens", sum(estimates))
-        for name, messages in pushes.items():
-            pipe.lpush(name, *messages)
+            lines.append(replace(line, fields={**line.fields, "quota": quota}))
+        self.state.jobs.enqueue(tenant, lines)
 
     def submit(
         self,
@@ -200,9 +189,7 @@ class Client:
         self.check_quota(tenant, 1, sum(estimates or ()))
         request = self.stager.stage(request, base_dir)
         expires = self.expiry_after(expires_in_s)
-        pipe = self.redis.pipeline(transaction=True)
-        self.enqueue(pipe, [request], lane, expires, tenant, estimates)
-        pipe.execute()
+        self.enqueue([request], lane, expires, tenant, estimates)
         return request.id
 
     def submit_many(
@@ -244,10 +231,10 @@ class Client:
                     replace(self.queued(r, lane, expires, tenant, est.get(r.id)), custom_id=None)
                     for r in batch
                 ]
-                self.status_db.submit_tasks(job_id, submission, lines)
+                self.state.jobs.submit(job_id, submission, lines)
             else:
                 estimated = [est[r.id] for r in batch] if est else None
-                self._enqueue_in_lane(job_id, batch, lane, expires, tenant, estimated)
+                self.enqueue(batch, lane, expires, tenant, estimated)
         self.seal_job(job_id, submission, lines=len(requests))
         return job_id
 
@@ -259,30 +246,18 @@ class Client:
                 raise type(outcome)(f"item {index}: {outcome.message}") from None
         return cast(list[Request], staged)
 
-    def _enqueue_in_lane(
-        self,
-        job_id: str,
-        requests: list[Request],
-        lane: str,
-        expires: datetime | None,
-        tenant: str,
-        estimates: list[int] | None,
-    ) -> None:
-        """A job's tasks in the interactive lane: the lane's list, the job's counts."""
-        pipe = self.redis.pipeline(transaction=True)
-        self.enqueue(pipe, requests, lane, expires, tenant, estimates)
-        pipe.rpush(self.keys.job_tasks(job_id), *[r.id for r in requests])
-        pipe.expire(self.keys.job_tasks(job_id), self.status_db.ttl_s)  # after the push
-        pipe.execute()
-
     def _refuse_known_ids(self, requests: list[Request], chunk: int = 5000) -> None:
         """A task id names one task forever: re-enqueueing one that exists would
-        reset its status, so it is refused before anything is written."""
+        reset its status, so it is refused before anything is written (one EXISTS of many
+        keys per chunk; which one exists is looked up only when one does)."""
         for start in range(0, len(requests), chunk):
             window = requests[start : start + chunk]
+            keys = [self.keys.task(request.id) for request in window]
+            if not self.redis.exists(*keys):
+                continue
             pipe = self.redis.pipeline(transaction=False)
-            for request in window:
-                pipe.exists(self.keys.task(request.id))
+            for key in keys:
+                pipe.exists(key)
             for index, exists in enumerate(pipe.execute()):
                 if exists:
                     raise InvalidRequest(
@@ -309,30 +284,30 @@ class Client:
         which ``seal_job`` takes when that submitter is done adding."""
         submission = new_submission_id()
         tenant = tenant or self.tenant
-        self.status_db.open_job(job_id, submission, name, expires_in_s, webhook_url, tenant)
+        self.state.jobs.open(job_id, submission, name, expires_in_s, webhook_url, tenant)
         return submission
 
     def seal_job(self, job_id: str, submission: str, lines: int = 0, line_errors: int = 0) -> None:
-        self.status_db.seal_job(job_id, submission, lines, line_errors)
+        self.state.jobs.seal(job_id, submission, lines, line_errors)
 
     # status ----------------------------------------------------------------
     def status(self, task_or_job_id: str) -> dict[str, Any]:
-        if self.status_db.job_exists(task_or_job_id):
-            return {"kind": "job", **self.status_db.job(task_or_job_id).as_dict()}
-        return {"kind": "task", "id": task_or_job_id, **self.status_db.task(task_or_job_id)}
+        if self.state.jobs.exists(task_or_job_id):
+            return {"kind": "job", **self.state.jobs.get(task_or_job_id).as_dict()}
+        return {"kind": "task", "id": task_or_job_id, **self.state.tasks.get(task_or_job_id)}
 
     def statuses(self, task_ids: list[str]) -> list[TaskState]:
-        return self.status_db.states(task_ids)
+        return self.state.tasks.states(task_ids)
 
     def job_task_ids(self, job_id: str, page: int = 10_000) -> Iterator[str]:
-        return self.status_db.job_task_ids(job_id, page)
+        return self.state.jobs.task_ids(job_id, page)
 
     # results ---------------------------------------------------------------
     def result(self, task_id: str, wait: float | None = None, poll_s: float = 0.1) -> Any:
         """The stored result object, waiting up to ``wait`` seconds for it."""
         deadline = time.monotonic() + (wait or 0)
         while True:
-            status = self.status_db.task(task_id)
+            status = self.state.tasks.get(task_id)
             if status.get("state") in _TERMINAL_STATES:
                 location = result_location(status)
                 return self.store.get(location) if location else {"id": task_id, **status}
@@ -345,19 +320,20 @@ class Client:
         """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
         check_id("job or task id", task_or_job_id)
         fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
-        if self.status_db.job_exists(task_or_job_id):
+        if self.state.jobs.exists(task_or_job_id):
             job_id = task_or_job_id
-            self.status_db.request_cancel(job_id)
+            jobs, feeds = self.state.jobs, self.state.feeds
+            jobs.request_cancel(job_id)
             # Lines not fed yet are cancelled in one step per feed; the fed ones a page at a
             # time (a feed refuses to feed a job that asked to cancel: none are added meanwhile).
             unfed = sum(
-                self.status_db.drop_feed(job_id, feed_id, TaskState.CANCELLED)
-                for feed_id in self.status_db.feeds_of(job_id)
+                feeds.drop(job_id, feed_id, TaskState.CANCELLED) for feed_id in feeds.of_job(job_id)
             )
-            return unfed + self.status_db.finish_queued(job_id, TaskState.CANCELLED, fields)
+            return unfed + jobs.finish_queued(job_id, TaskState.CANCELLED, fields)
         only = [TaskState.QUEUED]
-        _, moved = self.status_db.transition(task_or_job_id, TaskState.CANCELLED, fields, only)
-        return int(moved)
+        return int(
+            self.state.tasks.transition(task_or_job_id, TaskState.CANCELLED, fields, only).moved
+        )
 
 
 def _validated(item: Any, index: int, job_id: str) -> Request:

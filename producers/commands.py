@@ -19,9 +19,9 @@ from typing import IO, Any
 import click
 
 from vlmq.config.errors import InvalidRequest, QuotaExceeded
+from vlmq.config.ids import check_id
 from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
-from vlmq.config.tenants import check_id
 from vlmq.config.usage import usage_report
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
@@ -164,6 +164,12 @@ def _write_files(client: Client, job_id: str, output: Path, errors: Path | None,
     default=0,
     help="Processes validating the file (0: one per core for files over 32 MiB, else one).",
 )
+@click.option(
+    "--allow-media-outside-input-dir",
+    "allow_outside",
+    is_flag=True,
+    help="Let relative media paths lead out of the input file's folder ('..', symlinks).",
+)
 def submit(
     input_path: str,
     job_name: str | None,
@@ -177,15 +183,18 @@ def submit(
     dry_run: bool,
     as_json: bool,
     processes: int,
+    allow_outside: bool,
 ) -> None:
     """Enqueue every line of a JSONL file (vlmq/HF or OpenAI Batch lines) as one job.
 
-    The file is validated and staged in one pass (local media uploaded to the media store),
-    then fed to the fleet a window at a time; an object in S3 is read where it is."""
+    The file is validated and staged in one pass (local media uploaded to the media store;
+    relative paths resolve against the file's folder and stay inside it), then fed to the
+    fleet a window at a time; an object in S3 is read where it is, and the local paths its
+    lines name are never read (each such line fails alone)."""
     if dry_run:
         if input_path.startswith("s3://"):
             raise click.ClickException("--dry-run reads a local file")
-        _dry_run(Path(input_path), as_json)
+        _dry_run(Path(input_path), as_json, allow_outside)
         return
     client = _client()
     job_id = job_name or uuid.uuid4().hex
@@ -199,6 +208,7 @@ def submit(
         _submit_progress(report, staged.get("latest"))
 
     client.stager.on_progress = keep
+    client.stager.allow_outside_base = allow_outside
 
     with _input_lines(client, input_path) as (lines, base_dir):
         try:
@@ -214,6 +224,7 @@ def submit(
                 on_progress=show,
                 stager=client.stager,
                 processes=processes or _processes_for(input_path),
+                remote_input=input_path.startswith("s3://"),
             )
         except (QuotaExceeded, InvalidRequest) as exc:  # the tenant's quota, a bad job id
             click.echo(err=True)
@@ -272,14 +283,14 @@ def _fleet_rates(settings: Settings) -> Any:
         redis.close()
 
 
-def _dry_run(input_path: Path, as_json: bool) -> None:
+def _dry_run(input_path: Path, as_json: bool, allow_outside: bool = False) -> None:
     """Read the whole file through a Preflight; no job is opened, nothing is enqueued."""
     from vlmq.producers.preflight import Preflight, format_summary
 
     if not input_path.is_file():
         raise click.ClickException(f"{input_path} is not a file")
     settings = Settings()
-    preflight = Preflight(settings)
+    preflight = Preflight(settings, allow_outside_base=allow_outside)
     # Undecodable bytes fail their line alone, as in a real submit.
     with input_path.open(encoding="utf-8", errors="replace") as lines:
         preflight.add_lines(lines, base_dir=input_path.resolve().parent)
@@ -293,10 +304,10 @@ def _dry_run(input_path: Path, as_json: bool) -> None:
 def status(identifier: str, as_json: bool) -> None:
     """Counts per state, rate and ETA of a job, or the status of one task."""
     client = _client()
-    if client.status_db.job_exists(identifier):
+    if client.state.jobs.exists(identifier):
         data: dict[str, Any] = {"kind": "job", **job_summary(client, identifier)}
     else:
-        data = {"kind": "task", "id": identifier, **client.status_db.task(identifier)}
+        data = {"kind": "task", "id": identifier, **client.state.tasks.get(identifier)}
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -328,7 +339,7 @@ def status(identifier: str, as_json: bool) -> None:
 def results(job_id: str, output: Path, errors: Path | None, fmt: str) -> None:
     """Stream a job's results from the store into JSONL files."""
     client = _client()
-    if not client.status_db.job_exists(job_id):
+    if not client.state.jobs.exists(job_id):
         raise click.ClickException(f"unknown job {job_id}")
     _write_files(client, job_id, output, errors, fmt)
 

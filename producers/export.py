@@ -32,7 +32,7 @@ _WINDOW = 256
 
 def job_summary(client: Client, job_id: str) -> dict[str, Any]:
     """A job's state and counts (``JobStatus``), its bad lines, rate and ETA."""
-    job = client.status_db.job(job_id)
+    job = client.state.jobs.get(job_id)
     if job.state is JobState.UNKNOWN:
         return {"job_id": job_id, "state": job.state.value}
     stored = int(client.redis.hlen(client.keys.job_errors(job_id)))
@@ -56,15 +56,15 @@ _FIELDS = ("state", "result_url", "custom_id", "error_code", "error_message")
 def _current_tasks(client: Client, job_id: str) -> Iterator[dict[str, str]]:
     """Each current task of the job, with its status fields: those enqueued by id, then the
     fed ones (one per custom_id; a finished one from its folded record)."""
-    db = client.status_db
-    ids = db.listed_task_ids(job_id)
+    jobs, tasks = client.state.jobs, client.state.tasks
+    ids = jobs.listed_task_ids(job_id)
     while window := list(islice(ids, 2000)):
-        for task_id, status in zip(window, db.tasks(window, _FIELDS), strict=True):
+        for task_id, status in zip(window, tasks.many(window, _FIELDS), strict=True):
             yield {"id": task_id, **status}
-    fed = db.fed_tasks(job_id)
+    fed = jobs.fed_tasks(job_id)
     while batch := list(islice(fed, 2000)):
         live = [task_id for task_id, folded in batch if folded.state is None]
-        statuses = iter(db.tasks(live, _FIELDS))
+        statuses = iter(tasks.many(live, _FIELDS))
         for task_id, folded in batch:
             if folded.state is None:
                 yield {"id": task_id, **next(statuses)}

@@ -10,12 +10,19 @@ whoever references it: ``exists`` is asked first (a rerun or another job uploads
 again; an interrupted upload never becomes visible, so staging resumes), and within a process
 a file is hashed once per (path, size, mtime) however many lines name it.
 
+Local files are read only through ``producers/localfiles.py`` (a regular file, opened
+non-blocking, never more than the byte cap), and only on a local user's say: a relative path
+resolves against the input's folder and must stay inside it (``allow_outside_base`` lifts
+that), and a file's first bytes must be an image or video format the workers accept.
+
 Left as they are: remote sources (http(s), s3), files under ``media.local_roots`` (workers are
 configured to read them in place), missing files (the fleet reports them per request, as
 before), and every local path when the stager does not read local files (a server acting for
 remote callers must never read its own disk on a request's say). Refused per request with
-``InvalidRequest``: a file over the producer's size limit, or one that is not a regular file;
-with ``StagingRefused``: a file no worker could read when staging is off or the store refused
+``InvalidRequest``: a file over the producer's size limit, one that is not a regular file,
+not media, or outside the input's folder, and any local path of an input that is itself
+remote (``remote_input``: it names no file here) unless workers read it in place; with
+``StagingRefused``: a file no worker could read when staging is off or the store refused
 the upload (its message names the settings that fix it).
 """
 
@@ -26,7 +33,6 @@ import logging
 import mimetypes
 import os
 import re
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -37,18 +43,26 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, StagingRefused
+from vlmq.config.errors import (
+    InvalidRequest,
+    MediaDecodeFailed,
+    MediaTooLarge,
+    StagingRefused,
+    VlmqError,
+)
 from vlmq.config.media_checks import decode_data_uri
 from vlmq.config.results import BlobWriter, ResultStore, open_store
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.staging import media_key, staging_url
+from vlmq.producers.localfiles import LocalFile, file_info, open_local, resolve_local
 
 __all__ = ["MediaStager", "StagingProgress", "media_type"]
 
 log = logging.getLogger(__name__)
 
 _READ_BYTES = 1024 * 1024
+_HEAD_BYTES = 64  # enough for every signature _sniff knows
 # Files and objects remembered per process (a few hundred bytes each), and for how long.
 _MEMO_ENTRIES = 65_536
 _MEMO_TTL_S = 3600.0
@@ -78,11 +92,13 @@ class StagingProgress:
 @dataclass(frozen=True)
 class _Media:
     """One local file or data: URI a request names. ``source`` is what the request carries
-    when it is not staged (a relative path made absolute); ``path`` is None for data: URIs."""
+    when it is not staged (a relative path made absolute); ``path`` (resolved) is None for
+    data: URIs and refusals; ``refused`` says why its request fails without reading it."""
 
     kind: str
     source: str
     path: str | None
+    refused: str | None = None
 
 
 class _Target:
@@ -153,8 +169,10 @@ class MediaStager:
 
     ``store``: the store the caller already holds (usually the results store); used when the
     staging location lies inside it, else a store is opened on the staging URL. ``local_files``
-    False: local paths are left to the workers' own allowlist (a server acting for remote
-    callers). ``on_progress`` is called on the staging caller's thread after each item.
+    False: local paths are left to the workers' own allowlist, never read (a server acting for
+    remote callers). ``allow_outside_base``: a relative path may lead out of ``base_dir``
+    (through ``..`` or a symlink); by default that request is refused. ``on_progress`` is
+    called on the staging caller's thread after each item.
     """
 
     def __init__(
@@ -163,12 +181,14 @@ class MediaStager:
         store: ResultStore | None = None,
         *,
         local_files: bool = True,
+        allow_outside_base: bool = False,
         on_progress: Callable[[StagingProgress], None] | None = None,
     ) -> None:
         self.settings = settings
         self.media = settings.media
         self.url = staging_url(settings)
         self.local_files = local_files
+        self.allow_outside_base = allow_outside_base
         self.on_progress = on_progress
         self._given_store = store
         self._target: _Target | None = None
@@ -186,24 +206,39 @@ class MediaStager:
     def progress(self) -> StagingProgress:
         return self._progress
 
-    def stage(self, request: Request, base_dir: Path | None = None) -> Request:
+    def stage(
+        self, request: Request, base_dir: Path | None = None, *, remote_input: bool = False
+    ) -> Request:
         """``request`` with its local media and data: URIs staged (relative paths resolved
-        against ``base_dir``, default the working directory); raises InvalidRequest (or
-        StagingRefused) naming the part when one cannot be."""
-        outcome = self.stage_all([request], base_dir)[0]
+        against ``base_dir``, default the working directory, and kept inside it); raises
+        InvalidRequest (or StagingRefused) naming the part when one cannot be."""
+        outcome = self.stage_all([request], base_dir, remote_input=remote_input)[0]
         if isinstance(outcome, InvalidRequest):
             raise outcome
         return outcome
 
     def stage_all(
-        self, requests: Sequence[Request], base_dir: Path | None = None
+        self,
+        requests: Sequence[Request],
+        base_dir: Path | None = None,
+        *,
+        remote_input: bool = False,
     ) -> list[Request | InvalidRequest]:
         """Each request staged, or the error that fails it alone; the distinct media of all of
-        them are staged together (in parallel on S3)."""
+        them are staged together (in parallel on S3). ``remote_input``: the requests come from
+        a file read from elsewhere (``vlmq submit s3://...``), so a local path in them names
+        no file here: it is never read, and its request fails unless workers read it in place
+        (under ``media.local_roots``)."""
         base = base_dir or Path.cwd()
-        wanted = {media: None for r in requests for *_, media in self._media_of(r, base)}
+        with_media = [r for r in requests if r.media_sources()]  # text needs nothing
+        wanted = {
+            media: None for r in with_media for *_, media in self._media_of(r, base, remote_input)
+        }
         staged = self._stage_each(list(wanted))
-        return [self._rewritten(r, base, staged) for r in requests]
+        return [
+            self._rewritten(r, base, staged, remote_input) if r.media_sources() else r
+            for r in requests
+        ]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -217,33 +252,65 @@ class MediaStager:
         self.close()
 
     # which parts ----------------------------------------------------------------
-    def _media_of(self, request: Request, base: Path) -> Iterator[tuple[int, int, _Media]]:
+    def _media_of(
+        self, request: Request, base: Path, remote_input: bool
+    ) -> Iterator[tuple[int, int, _Media]]:
         """(message index, part index, media) of each part this stager handles."""
         for m, message in enumerate(request.messages):
             for p, part in enumerate(message.content):
                 source = getattr(part, "source", None)
-                media = self._classify(part.type, source, base) if source else None
+                media = self._classify(part.type, source, base, remote_input) if source else None
                 if media is not None:
                     yield m, p, media
 
-    def _classify(self, kind: str, source: str, base: Path) -> _Media | None:
+    def _classify(self, kind: str, source: str, base: Path, remote_input: bool) -> _Media | None:
         if source.startswith("data:"):
             return _Media(kind, source, None)
         if not self.local_files:
-            return None
-        if source.startswith("file:"):
+            return None  # never read here: the workers' own allowlist decides
+        url = source.startswith("file:")
+        if url:
             path = _file_url_path(source)
-            return _Media(kind, source, path) if path else None
-        if "://" in source:
+            if path is None:
+                return None  # a file URL the workers refuse anyway: they report it
+        elif "://" in source:
             return None  # remote: the workers fetch it under their own allowlist
-        path = str((base / source).resolve())
-        return _Media(kind, path, path)
+        else:
+            path = source
+        if remote_input:
+            return self._local_in_remote_input(kind, source, path)
+        try:
+            real = resolve_local(path, base, confine=not self.allow_outside_base)
+        except InvalidRequest as exc:
+            return _Media(kind, source, None, exc.message)
+        # Sent as it is when not staged: a file URL as given, a path made absolute.
+        return _Media(kind, source if url else real, real)
+
+    def _local_in_remote_input(self, kind: str, source: str, path: str) -> _Media | None:
+        """A local path named by a remote input: nothing is read; it goes as it is when the
+        workers read it in place (absolute, under ``media.local_roots``), else it fails."""
+        absolute = os.path.isabs(path) and "\x00" not in path
+        if absolute and self._readable_in_place(os.path.normpath(path)):
+            return None
+        return _Media(
+            kind,
+            source,
+            None,
+            f"local media path {_short(source)} in an input read from elsewhere is not read: "
+            "it names no file on this machine; name the media by an s3:// or https:// URL or "
+            "a data: URI, or by an absolute path under VLMQ_MEDIA__LOCAL_ROOTS (the workers "
+            "read those in place)",
+        )
 
     def _rewritten(
-        self, request: Request, base: Path, staged: dict[_Media, str | InvalidRequest]
+        self,
+        request: Request,
+        base: Path,
+        staged: dict[_Media, str | InvalidRequest],
+        remote_input: bool,
     ) -> Request | InvalidRequest:
         sources: dict[tuple[int, int], str] = {}
-        for m, p, media in self._media_of(request, base):
+        for m, p, media in self._media_of(request, base, remote_input):
             outcome = staged[media]
             self._count(media=1)
             if isinstance(outcome, InvalidRequest):
@@ -270,43 +337,75 @@ class MediaStager:
 
     def _stage_one(self, media: _Media) -> str | InvalidRequest:
         try:
+            if media.refused is not None:
+                raise InvalidRequest(media.refused)
             if media.path is None:
                 return self._stage_inline(media)
             return self._stage_file(media, media.path)
         except InvalidRequest as exc:
             return exc
 
-    def _stage_file(self, media: _Media, path: str) -> str:
-        info = _stat(path)
+    def _stage_file(self, media: _Media, real: str) -> str:
+        """``real``: the resolved path (producers/localfiles.py ``resolve_local``)."""
+        try:
+            info = file_info(real, None)  # stat only: a FIFO or device is never opened
+        except VlmqError as exc:
+            raise InvalidRequest(exc.message) from None
         if info is None:
             self._count(in_place=1)
             return media.source  # missing: the fleet fails that request alone, as before
         self._check_size(info.st_size, media.kind)
-        real = os.path.realpath(path)
         if self._readable_in_place(real):
             self._count(in_place=1)
             return media.source
         if not self.media.staging:
             raise StagingRefused(
-                f"local media file {_short(path)} is outside VLMQ_MEDIA__LOCAL_ROOTS and media "
+                f"local media file {_short(real)} is outside VLMQ_MEDIA__LOCAL_ROOTS and media "
                 "staging is off: set VLMQ_MEDIA__STAGING=true to upload it, or add its folder "
                 "to VLMQ_MEDIA__LOCAL_ROOTS (here and on every worker)"
             )
         key = ("file", real, info.st_size, info.st_mtime_ns)
-        return self._memo.once(key, lambda: self._upload_file(real))
+        url = self._memo.once(key, lambda: self._upload_file(real, media.kind))
+        self._accepted_type(url.rsplit(".", 1)[-1], media.kind)  # memoised under another kind
+        return url
 
-    def _upload_file(self, path: str) -> str:
-        digest, head = _hash_file(path)
-        ext, content_type = media_type(head, Path(path).suffix)
+    def _upload_file(self, path: str, kind: str) -> str:
+        cap = self._cap(kind)
+        # The type first, from the first bytes: what is not media is refused unhashed.
+        ext, content_type = self._accepted_type(_sniffed_ext(_read_head(path, cap)), kind)
+        digest, head = _hash_file(path, cap)
+        if _sniffed_ext(head) != ext:
+            raise InvalidRequest("media file changed while it was staged; submit it again")
         key = media_key(digest, ext)
         return self._memo.once(
-            ("object", key), lambda: self._store_file(key, path, digest, content_type)
+            ("object", key), lambda: self._store_file(key, path, digest, content_type, cap)
         )
 
-    def _store_file(self, key: str, path: str, digest: str, content_type: str) -> str:
+    def _accepted_type(self, ext: str | None, kind: str) -> tuple[str, str]:
+        """(extension, content type) of a file whose first bytes said ``ext`` (``_sniff``);
+        InvalidRequest unless the workers decode that format for ``kind`` (the media
+        settings' ``image_formats`` / ``video_formats``)."""
+        decoders = _DECODERS.get(ext or "")
+        if kind == "video":
+            allowed = list(self.media.video_formats)
+            demuxer = decoders[1] if decoders else None
+            ok = demuxer is not None and any(demuxer in f.split(",") for f in allowed)
+        else:
+            allowed = list(self.media.image_formats)
+            image_format = decoders[0] if decoders else None
+            ok = image_format is not None and image_format in {f.upper() for f in allowed}
+        if not ok:
+            what = f"{ext} data" if ext else "no image or video format the workers know"
+            raise InvalidRequest(
+                f"media file is not {'a video' if kind == 'video' else 'an image'} in a format "
+                f"the workers accept ({'; '.join(allowed)}): its first bytes are {what}"
+            )
+        return ext or "", _CONTENT_TYPES[ext or ""]
+
+    def _store_file(self, key: str, path: str, digest: str, content_type: str, cap: int) -> str:
         def upload(target: _Target) -> int:
             with target.writer(key, content_type) as out:
-                return _copy_verified(path, digest, out)
+                return _copy_verified(path, digest, out, cap)
 
         return self._store(key, upload)
 
@@ -451,45 +550,60 @@ def _file_url_path(url: str) -> str | None:
     return path if os.path.isabs(path) and "\x00" not in path else None
 
 
-def _stat(path: str) -> os.stat_result | None:
+def _local(path: str, cap: int) -> LocalFile:
+    """The file open through producers/localfiles.py (a regular file, at most ``cap`` bytes);
+    its errors fail the request alone."""
     try:
-        info = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError):
-        raise InvalidRequest("media file could not be read") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise InvalidRequest("media path is not a regular file")
-    return info
+        return open_local(path, cap)
+    except VlmqError as exc:
+        raise InvalidRequest(exc.message) from None
 
 
-def _hash_file(path: str) -> tuple[str, bytes]:
-    """The file's SHA-256 and its first bytes (for its type)."""
-    digest = hashlib.sha256()
-    head = b""
+def _chunks(file: LocalFile) -> Iterator[bytes]:
+    """The file's bytes; InvalidRequest when they are not as many as it claimed (it changed,
+    or it is not a file on disk) or pass the cap."""
+    size = 0
     try:
-        with open(path, "rb") as handle:
-            while chunk := handle.read(_READ_BYTES):
-                head = head or chunk[:64]
-                digest.update(chunk)
+        while chunk := file.read(_READ_BYTES):
+            size += len(chunk)
+            yield chunk
+    except VlmqError as exc:
+        raise InvalidRequest(exc.message) from None
     except OSError:
         raise InvalidRequest("media file could not be read") from None
+    if size != file.size:
+        raise InvalidRequest("media file changed while it was staged; submit it again")
+
+
+def _read_head(path: str, cap: int) -> bytes:
+    with _local(path, cap) as file:
+        try:
+            return file.read(_HEAD_BYTES) or b""
+        except (VlmqError, OSError):
+            raise InvalidRequest("media file could not be read") from None
+
+
+def _hash_file(path: str, cap: int) -> tuple[str, bytes]:
+    """The file's SHA-256 and its first bytes (for its type), reading at most ``cap``."""
+    digest = hashlib.sha256()
+    head = b""
+    with _local(path, cap) as file:
+        for chunk in _chunks(file):
+            head = head or chunk[:_HEAD_BYTES]
+            digest.update(chunk)
     return digest.hexdigest(), head
 
 
-def _copy_verified(path: str, digest: str, out: BlobWriter) -> int:
+def _copy_verified(path: str, digest: str, out: BlobWriter, cap: int) -> int:
     """Copy the file into ``out``, hashing again: a file that changed since it was hashed is
     refused (raising aborts the writer), so an object always holds what its name says."""
     check = hashlib.sha256()
     size = 0
-    try:
-        with open(path, "rb") as handle:
-            while chunk := handle.read(_READ_BYTES):
-                check.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-    except OSError:
-        raise InvalidRequest("media file could not be read") from None
+    with _local(path, cap) as file:
+        for chunk in _chunks(file):
+            check.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
     if check.hexdigest() != digest:
         raise InvalidRequest("media file changed while it was staged; submit it again")
     return size
@@ -528,22 +642,69 @@ def media_type(head: bytes, declared: str) -> tuple[str, str]:
     return ext, content_type
 
 
+# What each signature _sniff knows is to the workers: (Pillow's format name for an image,
+# PyAV's demuxer name for a video); the media settings say which of them they accept.
+_DECODERS: dict[str, tuple[str | None, str | None]] = {
+    "png": ("PNG", None),
+    "jpg": ("JPEG", None),
+    "gif": ("GIF", "gif"),
+    "webp": ("WEBP", None),
+    "bmp": ("BMP", None),
+    "tif": ("TIFF", None),
+    "mp4": (None, "mp4"),
+    "mov": (None, "mov"),
+    "mkv": (None, "matroska"),
+    "avi": (None, "avi"),
+}
+_CONTENT_TYPES = {
+    "png": "image/png",
+    "jpg": "image/jpeg",
+    "gif": "image/gif",
+    "webp": "image/webp",
+    "bmp": "image/bmp",
+    "tif": "image/tiff",
+    "mp4": "video/mp4",
+    "mov": "video/quicktime",
+    "mkv": "video/x-matroska",
+    "avi": "video/x-msvideo",
+    "": "application/octet-stream",
+}
+# QuickTime files may open with another top-level atom than ftyp.
+_QUICKTIME_ATOMS = (b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")
+
+
+def _sniffed_ext(head: bytes) -> str | None:
+    detected = _sniff(head)
+    return detected[0] if detected else None
+
+
 def _sniff(head: bytes) -> tuple[str, str] | None:
     """The type of the formats workers decode, by their signatures."""
+    ext = _signature(head)
+    return (ext, _CONTENT_TYPES[ext]) if ext else None
+
+
+def _signature(head: bytes) -> str | None:
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png", "image/png"
+        return "png"
     if head.startswith(b"\xff\xd8\xff"):
-        return "jpg", "image/jpeg"
+        return "jpg"
     if head[:6] in (b"GIF87a", b"GIF89a"):
-        return "gif", "image/gif"
+        return "gif"
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp", "image/webp"
+        return "webp"
     if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
-        return "avi", "video/x-msvideo"
+        return "avi"
     if head[4:8] == b"ftyp":
-        return ("mov", "video/quicktime") if head[8:12] == b"qt  " else ("mp4", "video/mp4")
+        return "mov" if head[8:12] == b"qt  " else "mp4"
+    if head[4:8] in _QUICKTIME_ATOMS:
+        return "mov"
     if head.startswith(b"\x1a\x45\xdf\xa3"):
-        return "mkv", "video/x-matroska"
+        return "mkv"
+    if head[:2] == b"BM" and len(head) >= 26 and head[6:10] == b"\0\0\0\0":
+        return "bmp"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "tif"
     return None
 
 

@@ -167,9 +167,13 @@ def worker_engine(
 ) -> Any:
     """The engine ``vlmq worker --engine KIND`` serves with (not set up yet)."""
     if kind == "noop":
-        from vlmq.workers.testing.noop import NoopEngine
+        from vlmq.workers.testing.noop import NoopEngine, PrepareCrash
 
-        return NoopEngine(noop_delay_s, crash_marker=settings.engine.faults.crash_marker)
+        faults = settings.engine.faults
+        engine = NoopEngine(noop_delay_s, crash_marker=faults.crash_marker)
+        if faults.prepare_crash_marker:
+            return PrepareCrash(engine, faults.prepare_crash_marker)
+        return engine
     from vlmq.workers.engine import engine_for_backend
     from vlmq.workers.media.fleet import fleet_loader
 

@@ -39,7 +39,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     ctx = ApiContext(
         settings=settings,
         client=client,
-        limiter=RateLimiter(settings, client.redis, client.keys),
+        limiter=RateLimiter(settings, client.state.tenants),
     )
 
     files = FileRegistry(ctx.client)

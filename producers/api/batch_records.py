@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from contextlib import AbstractContextManager
 from typing import Any
 
 from vlmq.config.tenants import Caller, owner_of
@@ -32,6 +33,7 @@ def valid_batch_id(batch_id: str) -> bool:
 class BatchRecords:
     def __init__(self, client: Client) -> None:
         self.redis = client.redis
+        self.leases = client.state.named
         self.keys = client.keys
         self.ttl_s = client.settings.fleet.task_ttl_s
         self.index = client.keys.batches_index()
@@ -70,18 +72,11 @@ class BatchRecords:
     def has(self, batch_id: str, field: str) -> bool:
         return bool(self.redis.hexists(self.key(batch_id), field))
 
-    # locks: one holder per (batch, activity); they expire if the holder dies.
-    def _lock(self, batch_id: str, what: str) -> str:
-        return self.keys.batch_lock(batch_id, what)
-
-    def acquire(self, batch_id: str, what: str, ttl_s: int) -> bool:
-        return bool(self.redis.set(self._lock(batch_id, what), "1", nx=True, ex=ttl_s))
-
-    def refresh(self, batch_id: str, what: str, ttl_s: int) -> None:
-        self.redis.expire(self._lock(batch_id, what), ttl_s)
-
-    def release(self, batch_id: str, what: str) -> None:
-        self.redis.delete(self._lock(batch_id, what))
+    # locks: one holder per (batch, activity), owner-checked, renewed while it works; they
+    # lapse if the holder dies.
+    def holding(self, batch_id: str, what: str, ttl_s: int) -> AbstractContextManager[bool]:
+        """Hold (batch, activity) while the block runs; yields whether it was taken."""
+        return self.leases.holding(self.keys.batch_lock(batch_id, what), ttl_s)
 
     def held(self, batch_id: str, what: str) -> bool:
-        return bool(self.redis.exists(self._lock(batch_id, what)))
+        return self.leases.held(self.keys.batch_lock(batch_id, what))

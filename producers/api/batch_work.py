@@ -37,14 +37,13 @@ from vlmq.producers.export import (
 )
 from vlmq.producers.preflight import Preflight
 
-__all__ = ["SUBMIT_LOCK_S", "BatchWork", "output_file_ids"]
+__all__ = ["LOCK_S", "BatchWork", "output_file_ids"]
 
 log = logging.getLogger(__name__)
 
-# A chunk (2000 lines) takes well under this; a holder silent for longer died.
-SUBMIT_LOCK_S = 120
-FINALIZE_LOCK_S = 900
-_LOCK_S = {"submitting": SUBMIT_LOCK_S, "finalizing": FINALIZE_LOCK_S}
+# A holder renews its lock every third of this while it works, however long its work takes
+# (NamedLeases.holding): a lock that lapses is a dead holder's, taken over this long after.
+LOCK_S = 60
 
 
 class _CancelRequested(Exception):
@@ -117,11 +116,9 @@ class BatchWork:
 
     def _run(self, batch_id: str, what: str, job: Callable[[str], None]) -> None:
         try:
-            if self.records.acquire(batch_id, what, _LOCK_S[what]):
-                try:
+            with self.records.holding(batch_id, what, LOCK_S) as held:
+                if held:
                     job(batch_id)
-                finally:
-                    self.records.release(batch_id, what)
         finally:
             with self._lock:
                 self._scheduled.discard((batch_id, what))
@@ -149,7 +146,6 @@ class BatchWork:
 
         def progress(now: SubmitReport) -> None:
             report.lines = now.lines
-            self.records.refresh(batch_id, "submitting", SUBMIT_LOCK_S)
             if self.records.has(batch_id, "cancelling_at"):
                 raise _CancelRequested
 
@@ -187,16 +183,19 @@ class BatchWork:
         self.records.mark_once(batch_id, "submitted_at")
 
     def _preflight(self) -> Preflight | None:
-        """The batch's pre-flight estimate, taken in the validation pass (``api.preflight``)."""
+        """The batch's pre-flight estimate, taken in the validation pass (``api.preflight``);
+        it opens no local file a line names (the caller is remote)."""
         settings = self.client.settings
-        return Preflight(settings) if settings.api.preflight else None
+        if not settings.api.preflight:
+            return None
+        return Preflight(settings, local_files=self.client.local_media)
 
     def _fail(self, batch_id: str, exc: Exception) -> None:
         message = exc.message if isinstance(exc, VlmqError) else "the batch could not be submitted"
         code = exc.code if isinstance(exc, VlmqError) else "internal_error"
         self.records.update(batch_id, error_code=code, error_message=message)
         self.records.mark_once(batch_id, "failed_at")
-        if self.client.status_db.job_exists(batch_id):
+        if self.client.state.jobs.exists(batch_id):
             # (submit_jsonl released its own submitter lease when it failed)
             self.client.seal_job(batch_id, submission="")
             self.client.cancel(batch_id)
@@ -208,13 +207,11 @@ class BatchWork:
 
     def finalize_now(self, batch_id: str) -> bool:
         """Write the files on this thread; False when another holder is at it."""
-        if not self.records.acquire(batch_id, "finalizing", FINALIZE_LOCK_S):
-            return False
-        self.records.mark_once(batch_id, "finalizing_at")
-        try:
+        with self.records.holding(batch_id, "finalizing", LOCK_S) as held:
+            if not held:
+                return False
+            self.records.mark_once(batch_id, "finalizing_at")
             self._finalize_safely(batch_id)
-        finally:
-            self.records.release(batch_id, "finalizing")
         return True
 
     def _finalize_safely(self, batch_id: str) -> None:

@@ -170,7 +170,7 @@ class BatchService:
         if batch.status in _FINISHED:
             return batch
         self.records.mark_once(batch_id, "cancelling_at")
-        if self.client.status_db.job_exists(batch_id):
+        if self.client.state.jobs.exists(batch_id):
             self.client.cancel(batch_id)
         return self.get(batch_id)
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from vlmq.config.memory import MemoryGauge
 from vlmq.config.settings import Settings
-from vlmq.producers.api.limits import MemoryGauge, RateLimiter
+from vlmq.producers.api.limits import RateLimiter
 from vlmq.producers.api.metrics import Metrics
 from vlmq.producers.client import Client
 

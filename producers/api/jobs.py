@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from vlmq.config.tenants import Caller, valid_id
+from vlmq.config.ids import valid_id
+from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses

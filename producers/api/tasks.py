@@ -11,10 +11,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from vlmq.config.ids import valid_id
 from vlmq.config.results import ResultStore, result_location
 from vlmq.config.schemas import MAX_N, MAX_TOP_LOGPROBS, Request
 from vlmq.config.status import TaskState
-from vlmq.config.tenants import Caller, valid_id
+from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
@@ -167,11 +168,11 @@ def _known_task(ctx: ApiContext, task_id: str, caller: Caller) -> dict[str, str]
     is not confirmed)."""
     if not valid_id(task_id):
         raise ApiError(404, "not_found", "no such task")
-    db = ctx.client.status_db
-    status = db.task(task_id)
+    state = ctx.client.state
+    status = state.tasks.get(task_id)
     if status.get("state", "unknown") == TaskState.UNKNOWN.value:
         raise ApiError(404, "not_found", "no such task")
-    if not caller.admin and db.task_tenant(status) != caller.tenant:
+    if not caller.admin and state.jobs.task_tenant(status) != caller.tenant:
         raise ApiError(404, "not_found", "no such task")
     return status
 
@@ -282,5 +283,5 @@ def cancel_task(
     """Cancel a task that is still queued; a running or finished task is left alone."""
     _known_task(ctx, task_id, caller)
     cancelled = ctx.client.cancel(task_id) > 0
-    state = ctx.client.status_db.task(task_id).get("state", "unknown")
+    state = ctx.client.state.tasks.get(task_id).get("state", "unknown")
     return CancelReply(id=task_id, cancelled=cancelled, status=state)

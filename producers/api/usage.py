@@ -10,7 +10,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 
-from vlmq.config.tenants import Caller, valid_id
+from vlmq.config.ids import valid_id
+from vlmq.config.tenants import Caller
 from vlmq.config.usage import usage_report
 from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.context import ApiContext, context
@@ -33,9 +34,9 @@ def get_usage(
     ``job_id`` ``{"job_id", "totals", "by"}``."""
     client = ctx.client
     if job_id is not None:
-        if not valid_id(job_id) or not client.status_db.job_exists(job_id):
+        if not valid_id(job_id) or not client.state.jobs.exists(job_id):
             raise ApiError(404, "not_found", "no such job")
-        if not caller.admin and client.status_db.job_tenant(job_id) != caller.tenant:
+        if not caller.admin and client.state.jobs.tenant(job_id) != caller.tenant:
             raise ApiError(404, "not_found", "no such job")
         return usage_report(client.redis, client.keys, job_id=job_id)
     if caller.admin:

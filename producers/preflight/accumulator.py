@@ -7,6 +7,16 @@ video and the same decode-time downscale, and the same token arithmetic
 (``headers.py``). A line the worker would refuse (too many media, a file that cannot be read,
 an image over the pixel limit, max_new_tokens over the cap, a prompt over the context) is
 counted as a predicted failure with the worker's error code.
+
+A size that is not read here is *unknown*, never zero and never a failure: an http(s) or
+``s3://`` source (not fetched), a local path or ``file://`` URL named by a remote caller
+(``local_files=False``: the HTTP API, ``Client(local_media=False)``, a remote input; the
+file is never opened, so whether it exists or how big it is cannot change the answer), or
+any media when Pillow/PyAV are missing. An unknown image counts as a 1280x720 picture and an
+unknown video as a 60 s 1280x720 clip at 30 fps (``UNKNOWN_IMAGE_HW``, ``UNKNOWN_VIDEO``),
+after the same decode-time downscale and frame sampling as a known one; a line with unknown
+media is never predicted to overflow the context, and the report counts the unknowns and
+says why.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from vlmq.producers.preflight.fleet import FleetRates, estimate_eta
 from vlmq.producers.preflight.headers import (
     HeadersUnavailable,
     ImageTarget,
+    LocalMediaNotRead,
     RemoteMedia,
     VideoHeader,
     image_size,
@@ -49,7 +60,8 @@ from vlmq.producers.preflight.model import ModelProfile
 
 __all__ = ["LineEstimate", "Preflight"]
 
-# Sizes assumed for media whose size cannot be read here (remote URLs are not fetched).
+# Sizes assumed for media whose size is not read here (remote URLs are not fetched, a remote
+# caller's local paths are not opened): see the module docstring.
 UNKNOWN_IMAGE_HW = (720, 1280)  # a 720p picture
 UNKNOWN_VIDEO = VideoHeader(width=1280, height=720, fps=30.0, duration_s=60.0, total_frames=1800)
 MAX_LISTED = 10  # invalid lines and predicted failures listed in a report (all are counted)
@@ -148,13 +160,24 @@ class Preflight:
 
     ``profile`` (``ModelProfile.load(settings.model)``) reads the model's files once; pass one
     to share it between many Preflights (an API validating several files). ``base_dir``
-    resolves relative media paths, as ``vlmq submit`` does against the input file's folder.
-    Two Preflights of parts of one file combine with ``merge``. Not thread-safe: one per
-    thread, merged at the end.
+    resolves relative media paths, as ``vlmq submit`` does against the input file's folder;
+    one that leads out of it (``..``, a symlink) is refused as staging refuses it, unless
+    ``allow_outside_base``. ``local_files`` False: for a remote caller, whose local paths and
+    ``file://`` URLs are never opened (their size is unknown). Two Preflights of parts of
+    one file combine with ``merge``. Not thread-safe: one per thread, merged at the end.
     """
 
-    def __init__(self, settings: Settings, profile: ModelProfile | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        profile: ModelProfile | None = None,
+        *,
+        local_files: bool = True,
+        allow_outside_base: bool = False,
+    ) -> None:
         self.settings = settings
+        self.local_files = local_files
+        self.allow_outside_base = allow_outside_base
         self.profile = profile if profile is not None else ModelProfile.load(settings.model)
         self._totals = _Totals()
         self._headers: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -388,7 +411,14 @@ class Preflight:
         if not inline and key in self._headers:
             self._headers.move_to_end(key)
             return self._headers[key]
-        result = _read_header(source, base_dir, read, cap)
+        result = _read_header(
+            source,
+            base_dir,
+            read,
+            cap,
+            local_files=self.local_files,
+            confine=not self.allow_outside_base,
+        )
         if not inline:
             self._headers[key] = result
             if len(self._headers) > HEADER_CACHE_ENTRIES:
@@ -455,12 +485,16 @@ class Preflight:
         return notes
 
 
-def _read_header(source: str, base_dir: Path | None, read: Any, cap: int) -> Any:
+def _read_header(
+    source: str, base_dir: Path | None, read: Any, cap: int, *, local_files: bool, confine: bool
+) -> Any:
     try:
-        with open_media(source, base_dir, cap) as file:
+        with open_media(source, base_dir, cap, local_files=local_files, confine=confine) as file:
             return read(file)
     except RemoteMedia as exc:
         return _Unknown(f"{exc} URLs are not fetched")
+    except LocalMediaNotRead:
+        return _Unknown("local paths are not read for a remote caller")
     except HeadersUnavailable as exc:
         return _Unknown(str(exc))
     except VlmqError as exc:

@@ -9,6 +9,11 @@ duration) are applied here too, so a line the worker would refuse is reported up
 
 Pillow and PyAV are the worker extra's; without them a size is unknown, never guessed
 silently (``HeadersUnavailable``).
+
+Local files are opened only for a local caller, and only through ``producers/localfiles.py``
+(a regular file, opened non-blocking, never read past the byte cap); for a remote caller a
+local path or ``file://`` URL is never opened, not even to learn whether it exists
+(``LocalMediaNotRead``: its size is unknown).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from urllib.parse import unquote, urlsplit
 from vlmq.config.errors import (
     InvalidRequest,
     MediaDecodeFailed,
-    MediaFetchFailed,
     MediaTooLarge,
     VlmqError,
 )
@@ -36,10 +40,12 @@ from vlmq.config.media_checks import (
 )
 from vlmq.config.settings import MediaSettings
 from vlmq.config.vision import downscaled_size
+from vlmq.producers.localfiles import open_local, resolve_local
 
 __all__ = [
     "HeadersUnavailable",
     "ImageTarget",
+    "LocalMediaNotRead",
     "RemoteMedia",
     "VideoHeader",
     "image_size",
@@ -56,6 +62,11 @@ _ORIENTATION_TAG = 0x0112
 
 class RemoteMedia(Exception):
     """A remote source (http, s3): not fetched for an estimate, its size is unknown."""
+
+
+class LocalMediaNotRead(Exception):
+    """A local path or ``file://`` URL named by a remote caller: never opened (its existence
+    and size are not this caller's to learn), so its size is unknown."""
 
 
 class HeadersUnavailable(Exception):
@@ -84,20 +95,31 @@ class ImageTarget:
 # --- sources ---------------------------------------------------------------------------------
 
 
-def _local_path(source: str, base_dir: Path | None) -> Path:
+def _local_path(source: str, base_dir: Path | None, confine: bool) -> str:
+    """The resolved path of a local source; a relative one against ``base_dir`` (as
+    ``vlmq submit`` resolves it before enqueueing), kept inside it when ``confine``."""
     scheme = _SCHEME.match(source)
     if scheme and scheme.group(1).lower() == "file":
-        parts = urlsplit(source)
-        return Path(unquote(parts.path))
-    path = Path(source)
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path  # as vlmq submit resolves it before enqueueing
-    return path
+        return resolve_local(unquote(urlsplit(source).path), None, confine=False)
+    return resolve_local(source, base_dir, confine=confine)
 
 
-def open_media(source: str, base_dir: Path | None, cap: int) -> IO[bytes]:
+def open_media(
+    source: str,
+    base_dir: Path | None,
+    cap: int,
+    *,
+    local_files: bool = True,
+    confine: bool = False,
+) -> IO[bytes]:
     """A readable file for a local path, ``file://`` URL or ``data:`` URI, after the
-    worker's byte cap; raises ``RemoteMedia`` for http(s)/s3, a ``VlmqError`` otherwise."""
+    worker's byte cap; raises ``RemoteMedia`` for http(s)/s3, a ``VlmqError`` otherwise.
+
+    ``local_files`` False (a remote caller): a local path or ``file://`` URL raises
+    ``LocalMediaNotRead`` before anything touches the disk. Otherwise the file is opened the
+    one safe way (``producers/localfiles.py``): only a regular file, opened non-blocking,
+    never read past ``cap``; with ``confine`` a relative path must stay inside ``base_dir``.
+    """
     scheme = _SCHEME.match(source)
     name = scheme.group(1).lower() if scheme else None
     if name in _REMOTE_SCHEMES:
@@ -106,13 +128,10 @@ def open_media(source: str, base_dir: Path | None, cap: int) -> IO[bytes]:
         return io.BytesIO(decode_data_uri(source, cap)[1])
     if name not in (None, "file"):
         raise InvalidRequest("unsupported media source scheme")
-    path = _local_path(source, base_dir)
-    try:
-        if path.stat().st_size > cap:
-            raise MediaTooLarge("media is larger than the allowed size")
-        return path.open("rb")
-    except OSError:
-        raise MediaFetchFailed("media file could not be read") from None
+    if not local_files:
+        raise LocalMediaNotRead("local paths named by a remote caller are not read")
+    # Buffered: Pillow and PyAV read headers in many small pieces.
+    return io.BufferedReader(open_local(_local_path(source, base_dir, confine), cap))
 
 
 # --- images ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from typing import Any
 
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
@@ -33,7 +34,7 @@ def _ready(client: Client, count: int) -> bool:
 
 def _pointed(client: Client, ids: list[str]) -> list[str]:
     """The store key each task's status points at (its winning delivery's object)."""
-    urls = [s["result_url"] for s in client.status_db.tasks(ids, ("result_url",))]
+    urls = [s["result_url"] for s in client.state.tasks.many(ids, ("result_url",))]
     return [client.store.key_of(url) for url in urls]
 
 
@@ -127,7 +128,7 @@ def _in_engine(client: Client, ids: list[str], worker: str) -> bool:
     fields = ("state", "attempts", "worker")
     return any(
         s.get("state") == "running" and s.get("worker") == worker and s.get("attempts")
-        for s in client.status_db.tasks(ids, fields)
+        for s in client.state.tasks.many(ids, fields)
     )
 
 
@@ -156,7 +157,7 @@ def test_kill9_mid_batch_loses_nothing_and_duplicates_nothing(fleet, fleet_env):
         "expired": 0,
     }
     assert sorted(client.store.keys(job)) == sorted(_pointed(client, ids))  # one object each
-    attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
+    attempts = [int(s["attempts"]) for s in client.state.tasks.many(ids)]
     assert max(attempts) >= 2  # the killed batches ran again
     assert client.redis.hlen(Keys().inflight()) == 0
 
@@ -177,10 +178,8 @@ def test_sigterm_finishes_or_returns_in_flight_work(fleet, fleet_env):
     assert client.status(job)["counts"]["succeeded"] == 64
 
 
-def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
-    client = _client(fleet_env)
-    job = _submit_text(client, 6, marker="CRASH-ME")
-    env = {**BATCH16, "VLMQ_ENGINE__FAULTS__CRASH_MARKER": "CRASH-ME"}
+def _deaths_until_finished(fleet: Any, client: Client, job: str, env: dict, most: int) -> int:
+    """Start a worker after each one that dies, until ``job`` finishes; how many died."""
     deaths = 0
     while not _job_finished(client, job):
         worker = fleet.start(*NOOP, env=env)
@@ -191,16 +190,41 @@ def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
         )
         if worker.poll() is not None:
             deaths += 1
-        assert deaths <= 5, "the crashing request kept looping"
+        assert deaths <= most, "the crashing request kept looping"
+    return deaths
+
+
+def _only_the_poison_dead_lettered(client: Client, job: str, deaths: int) -> None:
     status = client.status(job)
     assert status["counts"]["succeeded"] == 5 and status["counts"]["failed"] == 1, (
         status["counts"],
         deaths,
     )
-    assert deaths == 3  # the first batch, then the suspect alone twice
     poison = next(i for i in client.job_task_ids(job) if client.status(i)["custom_id"] == "c0")
     assert client.result(poison)["error"]["code"] == "dead_lettered"
     assert client.redis.llen(Keys().dead_letters()) == 1
+
+
+def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
+    client = _client(fleet_env)
+    job = _submit_text(client, 6, marker="CRASH-ME")
+    env = {**BATCH16, "VLMQ_ENGINE__FAULTS__CRASH_MARKER": "CRASH-ME"}
+    deaths = _deaths_until_finished(fleet, client, job, env, most=5)
+    _only_the_poison_dead_lettered(client, job, deaths)
+    assert deaths == 3  # the first batch, then the suspect alone twice
+
+
+def test_a_request_that_kills_its_worker_before_it_starts_is_isolated(fleet, fleet_env):
+    """A request whose preparation kills its worker (a native decoder crash, an OOM kill
+    while decoding) takes its batch down twice; then each is prepared alone, least-tried
+    first, so the batch-mates run and it alone dies, three more times, and is dead-lettered:
+    not its batch."""
+    client = _client(fleet_env)
+    job = _submit_text(client, 6, marker="CRASH-ME")
+    env = {**BATCH16, "VLMQ_ENGINE__FAULTS__PREPARE_CRASH_MARKER": "CRASH-ME"}
+    deaths = _deaths_until_finished(fleet, client, job, env, most=7)
+    _only_the_poison_dead_lettered(client, job, deaths)
+    assert deaths == 5  # the batch twice, then the suspect alone three times
 
 
 def test_a_stuck_batch_makes_the_worker_exit_and_its_work_move_on(fleet, fleet_env):

@@ -74,4 +74,10 @@ def test_sigterm_mid_batch(harness):
 
 def test_double_publish(harness):
     figures = scenarios.double_publish(harness)
-    assert figures == {"published": 3, "result_objects": 1, "state": "succeeded", "executions": 1}
+    assert figures == {
+        "published": 3,
+        "result_objects": 1,
+        "refused": 1,
+        "state": "succeeded",
+        "executions": 1,
+    }

@@ -20,7 +20,6 @@ from vlmq.config.keys import Keys
 from vlmq.config.scripts import Scripts, Wait
 from vlmq.config.settings import Settings
 from vlmq.workers.fleet.celery_app import make_app
-from vlmq.workers.fleet.intake import bookkeeping_keys
 from vlmq.workers.testing.faults.failover import SentinelHarness, sentinel_failover
 from vlmq.workers.testing.sentinel import DataNode
 from vlmq.workers.testing.services import wait_until
@@ -125,7 +124,7 @@ def test_a_demoted_master_is_dropped_for_the_new_one(tmp_path, monkeypatch):
         assert pipe.execute() == [True, "v"]
         answers.append(("127.0.0.1", replica.port))
         client.connection_pool.disconnect()
-        assert Scripts(client)("reap", bookkeeping_keys(Keys()), [10]) == 0
+        assert Scripts(client, Keys())("reap", Keys().bookkeeping(), [10]) == 0
     finally:
         replica.kill()
         master.kill()
@@ -136,8 +135,8 @@ def test_wait_reports_missing_replicas_without_failing(redis_server, caplog):
     """A lone master: WAIT 1 times out with 0 replicas; the script's reply still comes back,
     the shortfall is reported. A script Redis lost (restart, failover) is loaded again."""
     client = redis_server.connect()
-    scripts = Scripts(client)
-    bookkeeping = bookkeeping_keys(Keys())
+    scripts = Scripts(client, Keys())
+    bookkeeping = Keys().bookkeeping()
     short: list[int] = []
     wait = Wait(1, 50, on_short=short.append)
     started = time.monotonic()
@@ -165,7 +164,7 @@ def test_wait_on_a_replica_is_satisfied(tmp_path):
         client = create_redis(Settings(redis_url=master.url))
         short: list[int] = []
         wait = Wait(1, 2000, short.append)
-        assert Scripts(client)("reap", bookkeeping_keys(Keys()), [10], wait=wait) == 0
+        assert Scripts(client, Keys())("reap", Keys().bookkeeping(), [10], wait=wait) == 0
         assert short == []
     finally:
         replica.kill()

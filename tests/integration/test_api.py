@@ -61,7 +61,7 @@ def test_submit_status_result_round_trip(settings, http):
     record = http.get(status["result_url"]).json()
     assert record["output"] == "echo:c1" and record["id"] == accepted["id"]
     # The interactive lane: the message went to vlmq.text.interactive.
-    assert http.app.state.ctx.client.status_db.task(accepted["id"])["queue"].endswith(
+    assert http.app.state.ctx.client.state.tasks.get(accepted["id"])["queue"].endswith(
         ".interactive"
     )
 

@@ -156,12 +156,12 @@ def test_readyz_and_requests_when_redis_is_down(make_http, redis_server):
 
 def test_unexpected_errors_leak_nothing(make_http, monkeypatch):
     http = make_http()
-    status_db = http.app.state.ctx.client.status_db
+    tasks = http.app.state.ctx.client.state.tasks
 
     def explode(task_id):
         raise RuntimeError("secret internals at 0xdeadbeef")
 
-    monkeypatch.setattr(status_db, "task", explode)
+    monkeypatch.setattr(tasks, "get", explode)
     reply = http.get("/v1/tasks/anything")
     error = _error(reply, 500, "internal_error")
     assert error["message"] == "internal error"

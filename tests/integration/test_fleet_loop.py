@@ -14,12 +14,11 @@ from vlmq.config.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
 from vlmq.config.schemas import Request, Result
-from vlmq.config.scripts import Scripts
 from vlmq.config.settings import BatchPolicy
+from vlmq.config.state.intake import Intake, Leases
 from vlmq.config.status import TaskState
 from vlmq.config.wire import decode_message
 from vlmq.producers.client import Client
-from vlmq.workers.fleet.intake import Intake, Leases
 from vlmq.workers.fleet.service import compose_loop
 from vlmq.workers.testing.services import wait_until
 
@@ -94,8 +93,7 @@ class Running:
 
 
 def _intake_and_leases(client: Client) -> tuple[Intake, Leases]:
-    scripts = Scripts(client.redis)
-    return Intake(scripts, Keys(), "text"), Leases(scripts, Keys())
+    return client.state.intake("text"), client.state.leases
 
 
 def _job_done(client, job_id):
@@ -358,27 +356,3 @@ def test_the_class_token_budget_reaches_the_engine(settings):
     with Running(loop):
         wait_until(lambda: _job_done(client, job), what="job")
     assert BudgetEngine.budgets == [1234]
-
-
-def test_fair_share_sets_from_before_tenants_are_read_as_the_default_tenants(settings):
-    """A fleet upgraded with work queued: the class's set holds job lists (the layout before
-    tenants) and a held message names that set as its origin. Both are moved to the default
-    tenant's set as they are met, and every task runs."""
-    client, keys = Client(settings), Keys()
-    job = client.submit_many([_conversation("text", n) for n in range(30)])
-    tenants, default = keys.active_tenants("text"), keys.active_jobs("text", "default")
-    intake, leases = _intake_and_leases(client)
-    held = intake.pull(2, lease_s=0.5).deliveries  # held, and its lease will lapse
-    pipe = client.redis.pipeline()
-    pipe.delete(tenants, default)
-    pipe.zadd(tenants, {keys.job_queue("text", job): 0})  # the old layout
-    for delivery in held:
-        pipe.hset(keys.lease_active(), delivery.task_id, tenants)
-    pipe.execute()
-    wait_until(lambda: leases.reap(100) == 2, timeout=10, what="the lapsed leases reaped")
-    assert client.redis.zscore(default, keys.job_queue("text", job)) is not None
-    engine = RecordingEngine()
-    with Running(make_loop(settings, engine)):
-        wait_until(lambda: _job_done(client, job), timeout=60, what="the job")
-    assert client.status(job)["counts"]["succeeded"] == 30
-    assert client.redis.zrange(tenants, 0, -1) in ([], [default])

@@ -15,12 +15,10 @@ from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loo
 from vlmq.config.feeding import FeedCounts
 from vlmq.config.keys import Keys
 from vlmq.config.queues import queue_depth, queue_lists
-from vlmq.config.scripts import Scripts
 from vlmq.config.settings import Settings
 from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import job_summary
-from vlmq.workers.fleet.intake import Intake, Leases
 from vlmq.workers.testing.services import wait_until
 
 
@@ -116,8 +114,7 @@ def test_fair_share_serves_every_job_within_jobs_over_batch_pulls(settings):
         client.submit_many([[{"role": "user", "content": f"{j}-{n}"}] for n in range(5)])
         for j in range(20)
     ]
-    scripts = Scripts(client.redis)
-    intake = Intake(scripts, Keys(), "text")
+    intake = client.state.intake("text")
     batch = 6
     served: set[str] = set()
     for _ in range(math.ceil(len(jobs) / batch)):
@@ -134,8 +131,7 @@ def test_queue_depth_is_counted_not_listed(settings):
     client.submit([{"role": "user", "content": "now"}])
     keys = Keys()
     assert queue_depth(client.redis, keys, ["text"]) == {"text": 91}
-    scripts = Scripts(client.redis)
-    intake, leases = Intake(scripts, keys, "text"), Leases(scripts, keys)
+    intake, leases = client.state.intake("text"), client.state.leases
     pulled = intake.pull(20, lease_s=60)
     assert queue_depth(client.redis, keys, ["text"]) == {"text": 71}
     leases.give_back({d.task_id: d.token for d in pulled.deliveries})

@@ -149,7 +149,7 @@ def test_a_cancel_of_prefetched_work_is_honoured(settings: Settings) -> None:
             timeout=30,
             what="the later job prefetched",
         )
-        assert {s["state"] for s in client.status_db.tasks(later_ids, ("state",))} == {"queued"}
+        assert {s["state"] for s in client.state.tasks.many(later_ids, ("state",))} == {"queued"}
         client.cancel(later)
         engine.gate.set()
         wait_until(lambda: client.status(first)["finished"], timeout=30, what="first job")

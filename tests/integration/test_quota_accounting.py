@@ -14,7 +14,6 @@ from tests.integration.test_api_support import EchoEngine, worker_loop
 from tests.integration.test_feeding import _feeding
 from tests.integration.test_fleet_loop import _job_done
 from vlmq.config.errors import QuotaExceeded
-from vlmq.config.quotas import queued_work
 from vlmq.config.settings import TenantQuota, TenantSettings
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.client import Client
@@ -36,7 +35,7 @@ def _with_quota(settings: Any, **quota: Any) -> Any:
 
 
 def _queued(client: Client) -> tuple[int, int]:
-    work = queued_work(client.redis, client.keys, client.tenant)
+    work = client.state.tenants.queued(client.tenant)
     return work.tasks, work.tokens
 
 

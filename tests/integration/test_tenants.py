@@ -26,18 +26,15 @@ from tests.integration.test_api_support import (
     worker_loop,
 )
 from vlmq.config.errors import InvalidRequest, QuotaExceeded
-from vlmq.config.keys import Keys
-from vlmq.config.scripts import Scripts
 from vlmq.config.settings import Settings, TenantQuota, TenantSettings
+from vlmq.config.state.tasks import Move
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import Move
 from vlmq.producers.api.app import create_app
 from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.cli import cli
 from vlmq.producers.client import Client, as_request
 from vlmq.producers.preflight.accumulator import Preflight
-from vlmq.workers.fleet.intake import Intake
 
 KEY_A = "team-a-key-0123456789"
 KEY_B = "team-b-key-0123456789"
@@ -420,14 +417,14 @@ def test_the_task_quota_refuses_and_recovers_over_http(
     _ok(http.post(f"/v1/jobs/{job['job_id']}/cancel", headers=A))
     assert _quota(client, "team-a") == {"tasks": 2}
     # ... and a start (queued -> running), as a worker pulls and starts them.
-    deliveries = Intake(Scripts(client.redis), Keys(), "text").pull(50, 60).deliveries
+    deliveries = client.state.intake("text").pull(50, 60).deliveries
     assert len(deliveries) == 2 + 5
     assert _quota(client, "team-a") == {"tasks": 2}  # pulled is not started: still queued
     starts = [
         Move(d.task_id, TaskState.RUNNING, {"worker": "w"}, d.token, "started_at", True)
         for d in deliveries
     ]
-    assert all(moved for _, moved, _ in client.status_db.fenced_moves(starts))
+    assert all(moved.moved for moved in client.state.tasks.moves(starts))
     assert _quota(client, "team-a") == {"tasks": 0} and _quota(client, "team-b") == {"tasks": 0}
     batch = _ok(http.post("/v1/tasks:batch", json={"requests": [TASK] * 3}, headers=A), 202)
     assert batch["count"] == 3 and _quota(client, "team-a") == {"tasks": 3}
@@ -531,7 +528,7 @@ def test_the_python_client_and_the_cli_act_as_the_settings_tenant(
     with pytest.raises(QuotaExceeded):
         submit_jsonl(client, [json.dumps(TASK)], "over-too")
     assert client.redis.llen("vlmq.text.interactive") == 2
-    assert not client.status_db.job_exists("over")
+    assert not client.state.jobs.exists("over")
     # Another tenant's client has its own quota.
     other = Client(settings, tenant="team-b").submit(TASK)
     # The API shows each client's tasks to its tenant's key only.
@@ -558,7 +555,7 @@ def test_the_python_client_and_the_cli_act_as_the_settings_tenant(
     assert "Traceback" not in result.output
     crafted = runner.invoke(cli, ["submit", str(path), "--job", "J:custom_ids"], env=env)
     assert crafted.exit_code == 1 and isinstance(crafted.exception, SystemExit)
-    assert "job id: must match" in crafted.output
+    assert "job id: must be 1-128" in crafted.output
     # Once a task left the queue, the same file (one line fewer) goes in, as team-a's.
     assert client.cancel(first) == 1
     path.write_text(json.dumps({"custom_id": "c0", **TASK}) + "\n")
@@ -727,7 +724,7 @@ def test_crafted_ids_are_404_before_forming_a_key(
     looked_up: list[str] = []
     from vlmq.producers.api import jobs
 
-    real_summary, real_task = jobs.job_summary, client.status_db.task
+    real_summary, real_task = jobs.job_summary, client.state.tasks.get
 
     def summary(c: Client, job_id: str) -> Any:
         looked_up.append(job_id)
@@ -738,7 +735,7 @@ def test_crafted_ids_are_404_before_forming_a_key(
         return real_task(task_id)
 
     monkeypatch.setattr(jobs, "job_summary", summary)
-    monkeypatch.setattr(client.status_db, "task", task)
+    monkeypatch.setattr(client.state.tasks, "get", task)
     for crafted in CRAFTED_IDS:
         for method, path in (
             ("GET", f"/v1/jobs/{crafted}"),
@@ -800,7 +797,7 @@ def test_redis_errors_by_kind(
     def refuse(task_id: str) -> Any:
         raise exc
 
-    monkeypatch.setattr(http.app.state.ctx.client.status_db, "task", refuse)
+    monkeypatch.setattr(http.app.state.ctx.client.state.tasks, "get", refuse)
     reply = http.get("/v1/tasks/anything")
     error = _error(reply, status, code)
     for leak in ("WRONGTYPE", "READONLY", "OOM", "refused", "Traceback"):

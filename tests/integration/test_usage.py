@@ -15,16 +15,15 @@ from prometheus_client import CollectorRegistry
 from tests.integration.test_api_support import worker_loop
 from tests.integration.test_fleet_loop import _job_done
 from vlmq.config.schemas import FinishReason, Result, Usage
-from vlmq.config.scripts import Scripts
 from vlmq.config.settings import ApiSettings
+from vlmq.config.state import State
+from vlmq.config.state.tasks import Move
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import Move
 from vlmq.config.usage import TaskUsage, usage_report
 from vlmq.producers.api.app import create_app
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.cli import cli
 from vlmq.producers.client import Client
-from vlmq.workers.fleet.intake import Leases
 from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.testing.services import wait_until
 
@@ -125,9 +124,9 @@ def test_usage_sums_equal_the_sums_over_result_objects(settings):
     assert abs(row["model_seconds"] - expected_s) < 1e-3
 
     # A superseded holder's settle counts nothing (fenced out with its token).
-    leases = Leases(Scripts(redis), keys)
+    tasks = State(redis, keys).tasks
     task_id = single[0]
-    stale = leases.settle(
+    stale = tasks.settle(
         [Move(task_id, TaskState.SUCCEEDED, {}, token=99, stamp="finished_at")],
         [TaskUsage("counting", "text", 1000, 1000, 1.0)],
     )

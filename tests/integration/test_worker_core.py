@@ -7,7 +7,6 @@ import base64
 import hashlib
 import http.server
 import json
-import re
 import socket
 import ssl
 import threading
@@ -19,15 +18,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
-from vlmq.config.schemas import TASK_ID_PATTERN
-from vlmq.config.scripts import Scripts
 from vlmq.config.settings import ApiSettings, Settings, WebhookSettings
-from vlmq.config.statusdb import StatusDB
 from vlmq.config.wire import encode_message
 from vlmq.producers.api.app import create_app
 from vlmq.producers.client import Client
-from vlmq.workers.fleet.intake import Intake
 from vlmq.workers.fleet.webhooks import WebhookSender
 from vlmq.workers.testing.hooks import HookReceiver
 from vlmq.workers.testing.services import wait_until
@@ -58,9 +54,10 @@ def test_the_pull_script_and_python_agree_on_the_task_id(settings: Settings) -> 
         _with_header_id(good, "colon:id"): (None, "failed"),
         # JSON escapes the Lua pattern cannot read: decoded, a plain id; both sides agree.
         good.replace('"id":"plain-id.1"', '"id":"\\u0041bc"', 1): ("Abc", "succeeded"),
-        # An "id" in clear text before the headers: the first one is the id, and its
-        # header disagrees, so it fails (under that first id).
-        json.dumps({"id": "spoof", **json.loads(good)}): ("spoof", "failed"),
+        # An "id" in clear text before the headers names nothing: the header id and the
+        # delivery tag are the first message's, so it is that message again (a copy,
+        # re-serialised), dropped while that one is held: it runs once.
+        json.dumps({"id": "spoof", **json.loads(good)}): ("plain-id.1", "succeeded"),
         # No JSON, no headers, a number for an id.
         "not even json": (None, "failed"),
         json.dumps({"body": body, "content-type": "application/json"}): (None, "failed"),
@@ -82,15 +79,16 @@ def test_the_pull_script_and_python_agree_on_the_task_id(settings: Settings) -> 
 
 
 def test_the_lua_id_rule_is_the_schema_pattern(settings: Settings) -> None:
-    """scripts.lua plain() and TASK_ID_PATTERN accept exactly the same ids."""
+    """lua/common.lua plain() and config/ids.py accept exactly the same ids."""
     client = Client(settings)
-    intake = Intake(Scripts(client.redis), Keys(), "text")
+    intake = client.state.intake("text")
     ids = ["a", "A-b_c.9", "x" * 128, "x" * 129, "a b", "a:b", "é", "a/b", "", "a\tb", "-."]
+    ids += [".", "..", "...", ".a."]
     for task_id in ids:
         client.redis.lpush("vlmq.text", encode_message(_MESSAGE, task_id, "vlmq.text"))
     pulled = [d.task_id for d in intake.pull(len(ids), 0).deliveries]
     lua_plain = [not task.startswith("invalid-") for task in pulled]
-    python_plain = [bool(re.fullmatch(TASK_ID_PATTERN, task_id)) for task_id in ids]
+    python_plain = [valid_id(task_id) for task_id in ids]
     assert lua_plain == python_plain
 
 
@@ -117,18 +115,18 @@ def test_webhooks_need_a_signing_secret(settings: Settings) -> None:
 def test_a_stopping_sender_gives_its_event_back(settings: Settings) -> None:
     receiver = HookReceiver(stall=1, stall_s=30)
     client = Client(settings)
-    status = StatusDB(client.redis, Keys())
+    state = client.state
     try:
         conversation = [{"role": "user", "content": "x"}]
         client.submit_many([conversation], job_id="handed-over", webhook_url=receiver.url)
-        status.redis.lpush(Keys().events(), "handed-over")
+        state.redis.lpush(Keys().events(), "handed-over")
         hooks = WebhookSettings(secret="k", allow_private_addresses=True, timeout_s=1)
-        first = WebhookSender(status, hooks, workers=1)
+        first = WebhookSender(state, hooks, workers=1)
         assert first.poll() == 1
         wait_until(lambda: receiver.requests_seen == 1, what="the first attempt under way")
         first.close()  # stops after the attempt under way; gives the event back
         wait_until(lambda: client.redis.llen(Keys().events()) == 1, what="the event returned")
-        second = WebhookSender(status, hooks, workers=1)
+        second = WebhookSender(state, hooks, workers=1)
         assert second.poll() == 1
         wait_until(lambda: receiver.received, what="delivery by the second sender")
         second.close()
@@ -185,7 +183,7 @@ def test_https_webhooks_go_to_the_checked_address(
 
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
     hooks = WebhookSettings(secret="k", allow_private_addresses=True, timeout_s=5)
-    sender = WebhookSender(StatusDB(Client(settings).redis, Keys()), hooks, tls_context=trust)
+    sender = WebhookSender(Client(settings).state, hooks, tls_context=trust)
     assert sender._post(f"https://media.test:{port}/hook", b"{}") == 204
     assert _TLSHook.hits == [f"media.test:{port}"]
     sender.close()

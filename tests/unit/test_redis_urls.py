@@ -8,6 +8,7 @@ import redis
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
 from vlmq.config.connection import (
+    CONNECTION_RETRIES,
     SentinelAddress,
     celery_broker,
     create_redis,
@@ -31,7 +32,7 @@ def test_plain_url_keeps_the_shared_options():
     kwargs = client.connection_pool.connection_kwargs
     assert (kwargs["port"], kwargs["db"]) == (6399, 3)
     assert kwargs["decode_responses"] is True and kwargs["encoding_errors"] == "replace"
-    assert kwargs["socket_timeout"] == 1.5 and kwargs["retry"]._retries == 2
+    assert kwargs["socket_timeout"] == 1.5 and kwargs["retry"]._retries == CONNECTION_RETRIES
 
 
 def test_sentinel_url_with_everything():

@@ -9,9 +9,11 @@ from typing import Any, cast
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.results import FileStore, result_key
 from vlmq.config.settings import FleetSettings
+from vlmq.config.state import State
+from vlmq.config.state.intake import Delivery
+from vlmq.config.state.tasks import Tasks
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import StatusDB
-from vlmq.workers.fleet.intake import Delivery, Held, Leases
+from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settlement, Settler
 from vlmq.workers.fleet.triage import Triage
@@ -20,7 +22,7 @@ from vlmq.workers.fleet.work import Work
 
 class RecordingSettler(Settler):
     def __init__(self, store: Any) -> None:
-        super().__init__(store, cast(Leases, None), Held(), LoopObserver(), 4, 1.0)
+        super().__init__(store, cast(Tasks, None), Held(), LoopObserver(), 4, 1.0)
         self.submitted: list[Settlement] = []
 
     def submit_many(self, settlements: Sequence[Settlement]) -> None:
@@ -80,8 +82,7 @@ def test_triage_settles_stored_results_of_redeliveries_only(tmp_path):
     store.put(result_key("first", "j", 1), _record("first", "j", 1))  # a first delivery: not read
     settler = RecordingSettler(store)
     triage = Triage(
-        cast(StatusDB, None),
-        cast(Leases, None),
+        cast(State, None),
         Held(),
         settler,
         LoopObserver(),
@@ -123,8 +124,7 @@ def test_admit_skips_the_look_up_when_nothing_is_redelivered(tmp_path):
 
     settler = RecordingSettler(NoReads(f"file://{tmp_path}"))
     triage = Triage(
-        cast(StatusDB, None),
-        cast(Leases, None),
+        cast(State, None),
         Held(),
         settler,
         LoopObserver(),

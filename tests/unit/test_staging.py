@@ -167,9 +167,9 @@ def test_a_file_named_by_many_requests_is_hashed_and_looked_up_once(
     hashed: list[str] = []
     real_hash = staging._hash_file
 
-    def counted(path: str) -> tuple[str, bytes]:
+    def counted(path: str, cap: int) -> tuple[str, bytes]:
         hashed.append(path)
-        return real_hash(path)
+        return real_hash(path, cap)
 
     monkeypatch.setattr(staging, "_hash_file", counted)
     stager = MediaStager(_settings(tmp_path), store)
@@ -300,7 +300,7 @@ def test_a_file_that_changes_while_staged_is_refused_and_never_visible(
 ) -> None:
     import vlmq.producers.staging as staging
 
-    monkeypatch.setattr(staging, "_hash_file", lambda path: ("0" * 64, b"\x89PNG\r\n\x1a\n"))
+    monkeypatch.setattr(staging, "_hash_file", lambda path, cap: ("0" * 64, b"\x89PNG\r\n\x1a\n"))
     with pytest.raises(InvalidRequest, match="changed while it was staged"):
         MediaStager(_settings(tmp_path), store).stage(_request(_image(str(media / "a.png"))))
     assert not list((tmp_path / "results").rglob("*.png"))

@@ -4,13 +4,14 @@ book (lengths, one key for one tenant), loopback Host names, quota checks and se
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from pydantic import ValidationError
 
 from vlmq.config.errors import ConfigError, InvalidRequest, QuotaExceeded, RetryableError
+from vlmq.config.ids import check_id, valid_id
 from vlmq.config.keys import Keys
-from vlmq.config.quotas import check_quota, queued_work
 from vlmq.config.schemas import Request
 from vlmq.config.settings import (
     ApiSettings,
@@ -19,7 +20,8 @@ from vlmq.config.settings import (
     TenantQuota,
     TenantSettings,
 )
-from vlmq.config.tenants import DEFAULT_TENANT, Caller, check_id, owner_of, valid_id, valid_tenant
+from vlmq.config.state.tenants import Tenants
+from vlmq.config.tenants import DEFAULT_TENANT, Caller, owner_of, valid_tenant
 from vlmq.producers.api.app import create_app
 from vlmq.producers.api.auth import KeyBook, caller_of, is_loopback_host
 
@@ -31,6 +33,7 @@ KEY_PLAIN = "plain-key-0123456789"
 NOWHERE = "redis://127.0.0.1:1/0"
 
 CRAFTED_IDS = ["J:custom_ids", "x:y", "a" * 129, "a" * 200, "", "a b", "a/b", "é", "a\nb"]
+CRAFTED_IDS += [".", "..", "..."]  # a folder of the result store
 
 
 # ids -----------------------------------------------------------------------------
@@ -42,7 +45,7 @@ def test_plain_ids_may_form_keys(value):
 @pytest.mark.parametrize("value", CRAFTED_IDS)
 def test_crafted_ids_never_form_keys(value):
     assert not valid_id(value)
-    with pytest.raises(InvalidRequest, match=r"^job id: must match"):
+    with pytest.raises(InvalidRequest, match=r"^job id: must be 1-128 "):
         check_id("job id", value)
 
 
@@ -191,8 +194,13 @@ class _Hash:
 
 def _check(values: dict[str, str], quota: TenantQuota, tasks: int, tokens: int = 0) -> _Hash:
     redis = _Hash(values)
-    check_quota(redis, Keys(), "team-a", quota, tasks, tokens)  # type: ignore[arg-type]
+    _tenants(redis).check_quota("team-a", quota, tasks, tokens)
     return redis
+
+
+def _tenants(redis: _Hash) -> Tenants:
+    # reads only: no scripts
+    return Tenants(cast(Any, redis), cast(Any, None), Keys())
 
 
 def test_the_task_quota_counts_what_waits_plus_the_submission():
@@ -226,8 +234,8 @@ def test_no_quota_reads_nothing():
 
 
 def test_queued_work_reads_missing_counts_as_zero():
-    assert queued_work(_Hash({}), Keys(), "t") == queued_work(_Hash({"tasks": "0"}), Keys(), "t")  # type: ignore[arg-type]
-    assert queued_work(_Hash({"tasks": "3", "tokens": "40"}), Keys(), "t").tokens == 40  # type: ignore[arg-type]
+    assert _tenants(_Hash({})).queued("t") == _tenants(_Hash({"tasks": "0"})).queued("t")
+    assert _tenants(_Hash({"tasks": "3", "tokens": "40"})).queued("t").tokens == 40
 
 
 def test_quota_exceeded_is_a_429_with_retry_after():

@@ -402,7 +402,7 @@ def test_kill9_of_a_vllm_worker_mid_run_loses_nothing(family: Family) -> None:
         _kill_group(family.driver.process)
     counts = _finish_on_hf(family, client, job)
     assert counts["succeeded"] == 48 and counts["failed"] == 0, counts
-    attempts = [int(s["attempts"]) for s in client.status_db.tasks(ids)]
+    attempts = [int(s["attempts"]) for s in client.state.tasks.many(ids)]
     assert max(attempts) >= 2  # what was inside the killed engine ran again
     assert sorted(client.store.keys(job)) == sorted(_pointed(client, ids))  # one object each
     results = [client.result(t) for t in ids]

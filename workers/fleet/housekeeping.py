@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+from vlmq.config.state import State
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import StatusDB
-from vlmq.workers.fleet.intake import Leases
 from vlmq.workers.fleet.webhooks import WebhookSender
 
 __all__ = ["Housekeeper"]
@@ -28,13 +27,11 @@ _EXPIRED = {
 class Housekeeper:
     def __init__(
         self,
-        status: StatusDB,
-        leases: Leases,
+        state: State,
         webhooks: WebhookSender,
         interval_s: float,
     ) -> None:
-        self.status = status
-        self.leases = leases
+        self.state = state
         self.webhooks = webhooks
         self.interval_s = interval_s
         self._last = float("-inf")
@@ -46,16 +43,16 @@ class Housekeeper:
         if now - self._last < self.interval_s:
             return
         self._last = now
-        moved = self.leases.reap()
+        moved = self.state.leases.reap()
         if moved:
             log.warning("requeued %d messages whose worker stopped renewing", moved)
         self.expire_jobs()
-        self.status.reap_submitters()
+        self.state.jobs.reap_submitters()
         self.webhooks.poll()
 
     def expire_jobs(self) -> int:
         """Tasks of jobs past their completion window that never started: expired."""
-        redis, keys = self.status.redis, self.status.keys
+        redis, keys, jobs = self.state.redis, self.state.keys, self.state.jobs
         seconds, micros = redis.time()
         due: list[str] = redis.zrangebyscore(  # type: ignore[assignment]
             keys.job_expiry(), "-inf", seconds + micros / 1e6, 0, 10
@@ -65,9 +62,9 @@ class Housekeeper:
             # The rest of its input in one step per feed; its queued fed tasks (a window at
             # most) expire as they are pulled, so a 10-million-line job costs this loop no more
             # than a small one.
-            for feed_id in self.status.feeds_of(job_id):
-                expired += self.status.drop_feed(job_id, feed_id, TaskState.EXPIRED)
-            expired += self.status.finish_queued(job_id, TaskState.EXPIRED, _EXPIRED, fed=False)
+            for feed_id in self.state.feeds.of_job(job_id):
+                expired += self.state.feeds.drop(job_id, feed_id, TaskState.EXPIRED)
+            expired += jobs.finish_queued(job_id, TaskState.EXPIRED, _EXPIRED, fed=False)
             redis.zrem(keys.job_expiry(), job_id)
         return expired
 

@@ -29,11 +29,12 @@ from vlmq.config.logs import log_context
 from vlmq.config.queues import queue_depth
 from vlmq.config.schemas import Result
 from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
-from vlmq.config.statusdb import StatusDB
+from vlmq.config.state import State
+from vlmq.config.state.intake import Intake, Pull
 from vlmq.workers.engine.interface import Collated, EngineDied, GenerationEngine
 from vlmq.workers.engine.prepare import Prepared
+from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
-from vlmq.workers.fleet.intake import Held, Intake, Leases, Pull
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.pipeline import Pipeline
 from vlmq.workers.fleet.settle import Settler
@@ -51,9 +52,8 @@ class LoopParts:
     """Everything the loop works with, built by ``compose_loop``."""
 
     engine: GenerationEngine
-    status: StatusDB
+    state: State
     intakes: dict[str, Intake]
-    leases: Leases
     held: Held
     settler: Settler
     triage: Triage
@@ -121,7 +121,7 @@ class BatchLoop:
         if self.stuck() is not None:
             return False
         parts = self.parts
-        lost = parts.leases.renew(parts.held.tokens(), self.fleet.lease_s)
+        lost = parts.state.leases.renew(parts.held.tokens(), self.fleet.lease_s)
         lost = list(parts.held.tokens(lost))  # not those settled meanwhile
         if lost:
             # Reaped or delivered again elsewhere (this worker was cut off past its lease):
@@ -129,7 +129,7 @@ class BatchLoop:
             log.warning("lost the leases of %d tasks", len(lost))
             parts.held.release(lost)
         try:
-            depths = queue_depth(parts.status.redis, parts.status.keys, self.modalities)
+            depths = queue_depth(parts.state.redis, parts.state.keys, self.modalities)
         except Exception:  # a metric: never a reason to stop renewing
             log.warning("queue depth could not be read", exc_info=True)
         else:
@@ -240,8 +240,16 @@ class BatchLoop:
         except BaseException:
             self._give_back([d.task_id for d in pull.deliveries])
             raise
-        futures = [self.parts.prepare_pool.submit(self._prepare, w) for w in works]
-        return Job(modality, works, futures)
+        # A request whose holders died before starting it, more than once, is prepared alone
+        # (after a single death, its whole prefetch window would be: the next holder works as
+        # usual, and only what dies with it again is isolated).
+        limit = self.fleet.isolate_after_prestart_deaths
+        fresh = [w for w in works if w.prestart_deaths < limit]
+        alone = sorted(
+            (w for w in works if w.prestart_deaths >= limit), key=lambda w: w.alone_before
+        )
+        futures = [self.parts.prepare_pool.submit(self._prepare, w) for w in fresh]
+        return Job(modality, fresh, futures, alone=alone)
 
     def _prepare(self, work: Work) -> Prepared:
         assert work.request is not None
@@ -314,6 +322,9 @@ class BatchLoop:
             )
             for batch, suspect in batches
         ]
+        planned += [
+            Planned(job, [work], _unprepared(), True, unprepared=True) for work in job.alone
+        ]
         job.media_bytes = sum(item.media_bytes for _, item in ready)
         return planned
 
@@ -359,6 +370,8 @@ class BatchLoop:
             # Settle batch-mates before a risky run; the wait has its own bound, apart from
             # the engine call's time limit.
             log.warning("results still unsettled before a suspect run; running it anyway")
+        if planned.unprepared and not self._prepare_alone(planned):
+            return None
         collated = self._collated(planned)
         started = parts.triage.start(planned.works)
         if not started:
@@ -378,6 +391,24 @@ class BatchLoop:
         # From planned to generating: collation and the wait for the model.
         waited = round(time.monotonic() - planned.ready_at, 4)
         return Begun(planned, started, collated, uuid.uuid4().hex[:12], modality, waited)
+
+    def _prepare_alone(self, planned: Planned) -> bool:
+        """Prepare a request whose holders died before it started, here, with nothing else in
+        hand (its batch-mates are settled): if it kills this worker too, it alone is delivered
+        again, and after ``max_deliveries`` such deaths it alone is dead-lettered. False when
+        it failed to prepare (settled as such)."""
+        (work,) = planned.works
+        self.parts.state.tasks.mark_alone(work.task_id, work.token)
+        prepared = self._prepare(work)
+        if prepared.error is not None:
+            settlement = result_settlement(work, self._rejected(prepared), self.worker)
+            self._report(settlement.record)
+            self.parts.settler.submit_many([settlement])
+            return False
+        budget = self.policies[planned.job.modality].token_budget
+        planned.items = [prepared]
+        planned.collated = self._collate_later([prepared], budget)
+        return True
 
     def settle(self, begun: Begun, results: list[Result], every: bool = True) -> list[Work]:
         """Settle the results of a begun micro-batch; with ``every``, the works without a
@@ -449,13 +480,13 @@ class BatchLoop:
         if held:
             log.warning("giving back %d tasks", len(held))
             try:
-                self.parts.leases.give_back(held)
+                self.parts.state.leases.give_back(held)
             except Exception:
                 log.warning("could not give them back; their leases will lapse", exc_info=True)
         self.parts.held.release(task_ids)
 
     def _give_back_job(self, job: Job) -> None:
-        self._give_back([w.task_id for w in job.works])
+        self._give_back([w.task_id for w in [*job.works, *job.alone]])
 
     # shutdown ----------------------------------------------------------------
     def stop(self) -> None:
@@ -472,11 +503,18 @@ class BatchLoop:
         parts.settler.drain(drain_timeout_s)
         leftover = parts.held.tokens()
         if leftover:
-            parts.leases.give_back(leftover)
+            parts.state.leases.give_back(leftover)
             parts.held.release(leftover)
         parts.settler.close()
         parts.housekeeper.close()
         parts.observer.close()
+
+
+def _unprepared() -> Future[Collated]:
+    """The collated inputs of a request not prepared yet (``_prepare_alone`` makes them)."""
+    future: Future[Collated] = Future()
+    future.set_exception(RuntimeError("prepared alone, on the model's thread"))
+    return future
 
 
 def _pending(engine: Any) -> int:

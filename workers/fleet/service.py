@@ -11,7 +11,6 @@ and exit the process, so its messages are redelivered and a supervisor
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -28,12 +27,12 @@ from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create
 from vlmq.config.feeding import Feeder
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
-from vlmq.config.settings import Settings
-from vlmq.config.statusdb import StatusDB
+from vlmq.config.settings import FleetSettings, Settings
+from vlmq.config.state import State
 from vlmq.workers.engine.interface import as_generation_engine
 from vlmq.workers.fleet.events import TaskEvents
+from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
-from vlmq.workers.fleet.intake import Held, Intake, Leases
 from vlmq.workers.fleet.loop import BatchLoop, LoopParts
 from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.fleet.observer import LoopObserver, Observers
@@ -42,11 +41,26 @@ from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.webhooks import WebhookSender
 
-__all__ = ["WorkerService", "compose_loop"]
+__all__ = ["WorkerService", "compose_loop", "fleet_state"]
 
 log = logging.getLogger(__name__)
 
 EXIT_STUCK = 70
+# Leases a worker may stay silent before its heartbeat record is pruned.
+WORKER_SILENT_LEASES = 5
+
+
+def fleet_state(redis: Redis, fleet: FleetSettings) -> State:
+    """The state layer as a fleet worker uses it: the fleet's key prefix and ttl, and the
+    settle's WAIT for replicas when one is asked for."""
+    return State(
+        redis,
+        Keys(fleet.key_prefix),
+        ttl_s=fleet.task_ttl_s,
+        submitter_lease_s=fleet.submitter_lease_s,
+        wait=settle_wait(fleet),
+        replay_ttl_s=fleet.replay_ttl_s,
+    )
 
 
 def compose_loop(
@@ -60,31 +74,28 @@ def compose_loop(
 ) -> BatchLoop:
     """Build a batch loop's collaborators and hand them to it (the loop builds nothing)."""
     fleet = settings.fleet
-    keys = Keys(fleet.key_prefix)
-    status = StatusDB(redis, keys, ttl_s=fleet.task_ttl_s)
-    leases = Leases(status.scripts, keys, wait=settle_wait(fleet), ttl_s=fleet.task_ttl_s)
+    state = fleet_state(redis, fleet)
     held = Held()
     observer = Observers(observers)
     settler = Settler(
         store,
-        leases,
+        state.tasks,
         held,
         observer,
         fleet.upload_threads,
         fleet.store_retry_max_s,
         injected_errors=settings.engine.faults.settle_errors,
     )
-    webhooks = WebhookSender(status, settings.webhooks)
+    webhooks = WebhookSender(state, settings.webhooks)
     threads = settings.worker.preprocess_workers or max(1, (os.cpu_count() or 2) - 1)
     parts = LoopParts(
         engine=as_generation_engine(engine),
-        status=status,
-        intakes={m: Intake(status.scripts, keys, m, fleet.task_ttl_s) for m in modalities},
-        leases=leases,
+        state=state,
+        intakes={m: state.intake(m) for m in modalities},
         held=held,
         settler=settler,
-        triage=Triage(status, leases, held, settler, observer, worker, engine.model_name, fleet),
-        housekeeper=Housekeeper(status, leases, webhooks, fleet.reap_interval_s),
+        triage=Triage(state, held, settler, observer, worker, engine.model_name, fleet),
+        housekeeper=Housekeeper(state, webhooks, fleet.reap_interval_s),
         observer=observer,
         # Fetching waits on the network and decoding releases the GIL (measured): threads,
         # twice as many for preparing as for collating (each collating thread loads a
@@ -112,6 +123,7 @@ class WorkerService:
         self.redis = create_redis(settings)  # a pool: connects on first use
         self.loop: BatchLoop | None = None
         self.feeder: Feeder | None = None
+        self.records = fleet_state(self.redis, settings.fleet).workers
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
 
@@ -130,8 +142,7 @@ class WorkerService:
         )
         fleet = settings.fleet
         # Its own connection: a feed's script never waits behind the batch loop's.
-        status = StatusDB(create_redis(settings), self.keys, ttl_s=fleet.task_ttl_s)
-        self.feeder = Feeder.for_fleet(status, store, fleet)
+        self.feeder = Feeder.for_fleet(fleet_state(create_redis(settings), fleet), store, fleet)
         return self
 
     def _metrics(self) -> WorkerMetrics:
@@ -222,10 +233,16 @@ class WorkerService:
             "model": self.engine.model_name,
             "engine": _engine_stats(self.engine),
         }
+        # A worker silent for this many leases died without a clean stop (its work was
+        # redelivered after one): its record goes.
+        forget_after_s = WORKER_SILENT_LEASES * self.settings.fleet.lease_s
         try:
-            self.redis.hset(self.keys.workers(), self.name, json.dumps(info))
+            pruned = self.records.announce(self.name, info, forget_after_s)
         except TRANSIENT_REDIS_ERRORS as exc:
             log.warning("heartbeat record skipped: Redis %s", type(exc).__name__)
+        else:
+            if pruned:
+                log.info("forgot %d records of workers silent for %.0fs", pruned, forget_after_s)
 
     def stop(self, drain_timeout_s: float = 60.0) -> None:
         if self.loop is None or self._stopped.is_set():
@@ -237,7 +254,7 @@ class WorkerService:
         self.loop.shutdown(drain_timeout_s)
         self._stopped.set()
         with contextlib.suppress(RedisError):
-            self.redis.hdel(self.keys.workers(), self.name)
+            self.records.retire(self.name)
         log.info("worker %s stopped", self.name)
 
     def wait(self) -> None:

@@ -31,14 +31,14 @@ from typing import Any
 from prometheus_client import Counter
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
-from vlmq.config.errors import StoreUnavailable
+from vlmq.config.errors import ResultNotStored, StoreUnavailable, VlmqError
 from vlmq.config.results import ResultStore, result_key
 from vlmq.config.scripts import Wait
 from vlmq.config.settings import FleetSettings
+from vlmq.config.state.tasks import Move, Tasks
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import Move
 from vlmq.config.usage import TaskUsage
-from vlmq.workers.fleet.intake import Held, Leases
+from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 
 __all__ = [
@@ -107,6 +107,22 @@ class Settlement:
     def key(self) -> str:
         return result_key(self.task_id, self.record.get("job_id"), self.token)
 
+    def unstored(self, reason: str) -> Settlement:
+        """This settlement as a failure without a result object (the store refused it)."""
+        fields = {
+            **{k: v for k, v in self.fields.items() if k in ("worker", "batch_id")},
+            "error_code": ResultNotStored.code,
+            "error_message": f"the result could not be stored: {reason}"[:500],
+        }
+        return Settlement(self.record, TaskState.FAILED, fields, self.token)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The store will never take this object (its key or its record)."""
+
+    reason: str
+
 
 @dataclass(frozen=True)
 class Stored:
@@ -122,7 +138,7 @@ class Settler:
     def __init__(
         self,
         store: ResultStore,
-        leases: Leases,
+        tasks: Tasks,
         held: Held,
         observer: LoopObserver,
         threads: int,
@@ -131,7 +147,7 @@ class Settler:
     ) -> None:
         self.store = store
         self._injected_errors = injected_errors  # testing only: FaultInjection.settle_errors
-        self.leases = leases
+        self.tasks = tasks
         self.held = held
         self.observer = observer
         self.retry_max_s = retry_max_s
@@ -177,28 +193,37 @@ class Settler:
             self.held.release(ids)
 
     def _store_all(self, settlements: list[Settlement]) -> list[Settlement]:
-        """Upload every object; those that shutdown interrupted are left out (still held)."""
+        """Upload every object; those that shutdown interrupted are left out (still held).
+        An object the store refuses for good (a key it will not take) fails that task alone,
+        without an object: its batch-mates settle as they are."""
         if self.store.parallel_uploads and len(settlements) > 1:
             urls = list(self._uploads.map(self._upload, settlements))
         else:
             urls = [self._upload(s) for s in settlements]
         stored = []
         for settlement, url in zip(settlements, urls, strict=True):
-            if url is not None:
+            if isinstance(url, Refused):
+                stored.append(settlement.unstored(url.reason))
+            elif url is not None:
                 settlement.fields["result_url"] = url
                 stored.append(settlement)
         return stored
 
-    def _upload(self, settlement: Settlement) -> str | None:
+    def _upload(self, settlement: Settlement) -> str | Refused | None:
         started = time.perf_counter()
-        url = self._put_with_retry(settlement.key, settlement.record)
+        try:
+            url = self._put_with_retry(settlement.key, settlement.record)
+        except VlmqError as exc:  # the store refuses this key or record for good
+            log.error("task %s: its result could not be stored: %s", settlement.task_id, exc)
+            return Refused(str(exc))
         modality = str(settlement.record.get("modality") or "unknown")
         self.observer.uploaded(time.perf_counter() - started, modality)
         return url
 
     def finish_many(self, settlements: Sequence[Settlement]) -> None:
         """Terminal statuses and acknowledgements in one fenced script (retried while Redis
-        is unreachable or busy: the objects are already stored)."""
+        is unreachable or busy: the objects are already stored, and a settle that did apply
+        reads, retried, as this holder's)."""
         if not settlements:
             return
         moves = [
@@ -208,7 +233,7 @@ class Settler:
         delay = 0.1
         while True:
             try:
-                settled = self.leases.settle(moves, [s.usage for s in settlements])
+                settled = self.tasks.settle(moves, [s.usage for s in settlements])
                 break
             except TRANSIENT_REDIS_ERRORS as exc:
                 if self.stopping.is_set():
@@ -218,13 +243,14 @@ class Settler:
                 delay = min(delay * 2, 2.0)
         self.held.release(s.task_id for s in settlements)
         won = [s for s, done in zip(settlements, settled, strict=True) if done.held]
-        lost = [s for s, done in zip(settlements, settled, strict=True) if not done.held]
+        lost = [(s, done) for s, done in zip(settlements, settled, strict=True) if not done.held]
         if lost:
             log.warning("%d results of superseded deliveries discarded", len(lost))
-            self.observer.superseded([s.task_id for s in lost])
-        # One object per task: a superseded holder removes its own, a redelivered winner what
-        # earlier deliveries may have left (a holder killed between upload and settle).
-        self._remove([s.key for s in self._outdated(lost)])
+            self.observer.superseded([s.task_id for s, _ in lost])
+        # One object per task: a superseded holder removes its own (only when another delivery
+        # has the task, or it ended without this one), a redelivered winner what earlier
+        # deliveries may have left (a holder killed between upload and settle).
+        self._remove([s.key for s, done in lost if done.superseded and "result_url" in s.fields])
         self._remove(
             [
                 result_key(s.task_id, s.record.get("job_id"), delivery)
@@ -232,36 +258,6 @@ class Settler:
                 for delivery in range(1, s.token)
             ]
         )
-
-    def _outdated(self, lost: Sequence[Settlement]) -> list[Settlement]:
-        """The refused settlements a newer delivery has superseded: their objects go. After a
-        Redis failover a task's delivery count can be lower than this holder's token (its pull
-        was not replicated): the same token is then delivered again and writes this same key,
-        so that object is left for the new delivery to overwrite (removing it could remove the
-        new delivery's result)."""
-        if not lost:
-            return []
-        pipe = self.leases.scripts.redis.pipeline(transaction=False)
-        for settlement in lost:
-            pipe.hget(self.leases.keys.task(settlement.task_id), "deliveries")
-        try:
-            counts = pipe.execute()
-        except TRANSIENT_REDIS_ERRORS:
-            log.warning("could not read %d delivery counts; their objects stay", len(lost))
-            return []
-        outdated = []
-        for settlement, count in zip(lost, counts, strict=True):
-            if count is None or not str(count).isdigit() or int(count) > settlement.token:
-                outdated.append(settlement)
-            else:
-                log.warning(
-                    "task %s: delivery count %s, not above this holder's %d (a Redis failover "
-                    "lost its pull); its object stays for the next delivery to overwrite",
-                    settlement.task_id,
-                    count,
-                    settlement.token,
-                )
-        return outdated
 
     def stored(self, wanted: Sequence[tuple[str, str | None, int]]) -> list[Stored | None]:
         """Per (task id, job id, token): the newest result an earlier delivery of that task

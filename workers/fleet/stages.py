@@ -30,6 +30,7 @@ class Job:
     modality: str
     works: list[Work]
     prepared: list[Future[Prepared]]
+    alone: list[Work] = field(default_factory=list)  # prepared alone, later (Planned.unprepared)
     media_bytes: int = 0
     left: int = 0  # micro-batches not yet through generate
 
@@ -45,6 +46,9 @@ class Planned:
     suspect: bool = False
     items: list[Prepared] = field(default_factory=list)  # what ``collated`` is made of
     ready_at: float = field(default_factory=time.monotonic)
+    # Not prepared yet: a request whose holders died before it started, prepared on the
+    # model's thread once its batch-mates are settled (``BatchLoop.begin``).
+    unprepared: bool = False
 
 
 class Backoff:

@@ -30,16 +30,20 @@ from vlmq.config.errors import DeadLettered, Expired, InvalidRequest, PermanentE
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.schemas import Request
 from vlmq.config.settings import FleetSettings
+from vlmq.config.state import State
+from vlmq.config.state.intake import Delivery, Pull
+from vlmq.config.state.tasks import ENDED, Move
 from vlmq.config.status import TaskState
-from vlmq.config.statusdb import Move, StatusDB
 from vlmq.config.wire import TaskMessage, WireError, decode_message
-from vlmq.workers.fleet.intake import Delivery, Held, Leases, Pull
+from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import REPAIRED_RESULTS, Settlement, Settler, Stored
 from vlmq.workers.fleet.work import Work, failure_settlement
 
 __all__ = ["Triage"]
 
+# The id the pull gives a message that names no task of its own (lua/intake.lua, identity).
+INVALID_PREFIX = "invalid-"
 # A dead letter keeps the head of its message (enough to see what it was), not all of it.
 DEAD_LETTER_MESSAGE_CHARS = 4096
 
@@ -49,8 +53,7 @@ log = logging.getLogger(__name__)
 class Triage:
     def __init__(
         self,
-        status: StatusDB,
-        leases: Leases,
+        state: State,
         held: Held,
         settler: Settler,
         observer: LoopObserver,
@@ -58,8 +61,7 @@ class Triage:
         model: str,
         fleet: FleetSettings,
     ) -> None:
-        self.status = status
-        self.leases = leases
+        self.state = state
         self.held = held
         self.settler = settler
         self.observer = observer
@@ -107,6 +109,13 @@ class Triage:
         if delivery.token > self.fleet.max_unstarted_deliveries and not item.attempts:
             self._dead_letter(item, f"delivered {delivery.token} times without ever starting")
             return None
+        if item.alone_before >= self.fleet.max_deliveries:
+            reason = (
+                f"its worker died each of the {item.alone_before} times it was prepared alone "
+                f"(limit {self.fleet.max_deliveries})"
+            )
+            self._dead_letter(item, reason)
+            return None
         try:
             item.message, item.request = self._parse(delivery)
         except InvalidRequest as exc:
@@ -115,14 +124,24 @@ class Triage:
         return item
 
     def _parse(self, delivery: Delivery) -> tuple[TaskMessage, Request]:
-        """The message and its request, or InvalidRequest saying what is wrong."""
+        """The message and its request, or InvalidRequest saying what is wrong. The task is
+        the one the pull named (``lua/intake.lua``, identity); nothing read here names
+        another. A message's request joins only the job its task's hash names (the job that
+        counted it): a plain message that names a job in its request joins none."""
+        if delivery.task_id.startswith(INVALID_PREFIX):
+            raise InvalidRequest(
+                "the message names no task of its own: its id is not a plain id "
+                "([A-Za-z0-9_.-], 1-128, not dots only), or it names a task it is not"
+            )
         if len(delivery.raw) > self.fleet.max_message_bytes:
             raise InvalidRequest(f"the message is larger than {self.fleet.max_message_bytes} B")
         try:
             message = decode_message(delivery.raw)
             if message.task_id != delivery.task_id:
-                raise WireError("the task id must be a plain id ([A-Za-z0-9_.-], 1-128)")
-            request = Request.model_validate({**message.request, "id": message.task_id})
+                raise WireError("the message's header id cannot be read one way")
+            fields = {**message.request, "id": delivery.task_id}
+            fields["job_id"] = delivery.status.get("job_id")
+            request = Request.model_validate(fields)
         except WireError as exc:
             raise InvalidRequest(str(exc)) from None
         except ValidationError as exc:
@@ -164,11 +183,9 @@ class Triage:
         raw = item.delivery.raw
         record = {"task_id": item.task_id, "reason": reason, "at": time.time()}
         record |= {"message": raw[:DEAD_LETTER_MESSAGE_CHARS], "message_chars": len(raw)}
-        key = self.status.keys.dead_letters()
-        pipe = self.status.redis.pipeline(transaction=True)
-        pipe.lpush(key, json.dumps(record, separators=(",", ":")))
-        pipe.ltrim(key, 0, max(0, self.fleet.max_dead_letters - 1))
-        pipe.execute()
+        self.state.tasks.dead_letter(
+            json.dumps(record, separators=(",", ":")), self.fleet.max_dead_letters
+        )
         self.fail(item, DeadLettered(reason))
 
     def fail(self, item: Work, error: PermanentError, state: TaskState = TaskState.FAILED) -> None:
@@ -180,7 +197,7 @@ class Triage:
         """Move a micro-batch to running, right before its engine call, in one fenced script
         call that also counts each an attempt; expired ones are settled, cancelled ones and
         those another holder has now are let go."""
-        seconds, micros = self.status.redis.time()
+        seconds, micros = self.state.redis.time()
         now = seconds + micros / 1e6
         live = []
         for item in work:
@@ -191,15 +208,16 @@ class Triage:
         moves = [self._start_move(item) for item in live]
         started_at = f"{time.time():.6f}"
         started, ended = [], {}
-        for item, (_, moved, held) in zip(live, self.status.fenced_moves(moves), strict=True):
-            if moved:
+        for item, moved in zip(live, self.state.tasks.start(moves), strict=True):
+            if moved.moved:
                 item.status["started_at"] = started_at
                 item.status["attempts"] = str(item.attempts + 1)
                 started.append(item)
-            elif held:  # cancelled while it waited: it will not run
+            elif moved.held or moved.current == ENDED:
+                # cancelled (or expired) while it waited: it will not run
                 ended[item.task_id] = item.token
             # else: delivered to another holder since; that holder has it now
-        self.leases.ack(ended)
+        self.state.leases.ack(ended)
         running = {item.task_id for item in started}
         self.held.release(item.task_id for item in live if item.task_id not in running)
         self.observer.started([item.task_id for item in started])
@@ -208,8 +226,6 @@ class Triage:
     def _start_move(self, item: Work) -> Move:
         assert item.request is not None
         fields = {"worker": self.worker, "modality": item.request.modality.value}
-        if not item.status.get("job_id") and item.request.job_id:
-            fields["job_id"] = item.request.job_id
         return Move(item.task_id, TaskState.RUNNING, fields, item.token, "started_at", True)
 
 

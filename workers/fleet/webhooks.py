@@ -29,11 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from redis import RedisError
 
+from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import VlmqError
 from vlmq.config.keys import Keys
 from vlmq.config.settings import WebhookSettings
+from vlmq.config.state import State
 from vlmq.config.status import COUNTED, TERMINAL
-from vlmq.config.statusdb import StatusDB
 from vlmq.workers.media.netpolicy import check_addresses, parse_http_url
 from vlmq.workers.media.pinned import pinned_connection
 
@@ -52,14 +53,14 @@ def sign(secret: str, body: bytes) -> str:
 class WebhookSender:
     def __init__(
         self,
-        status: StatusDB,
+        state: State,
         settings: WebhookSettings,
         workers: int = 2,
         tls_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.status = status
-        self.redis = status.redis
-        self.keys: Keys = status.keys
+        self.state = state
+        self.redis = state.redis
+        self.keys: Keys = state.keys
         self.settings = settings
         self._workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
@@ -67,17 +68,16 @@ class WebhookSender:
         self._pending: dict[Future[None], str] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._event_keys = [self.keys.events(), self.keys.events_leased()]
 
     def poll(self) -> int:
         """Take as many finished-job events as there are free senders; deliver them in the
         background. Also puts back events whose sender died (their lease ran out)."""
-        self.status.scripts("reap_events", self._event_keys, [])
+        self.state.events.reap()
         with self._lock:
             free = self._workers - len(self._pending)
         if free <= 0:
             return 0
-        taken = self.status.scripts("take_events", self._event_keys, [free, self._lease_s()])
+        taken = self.state.events.take(free, self._lease_s())
         for job_id in taken:
             future = self._pool.submit(self._deliver, str(job_id))
             with self._lock:
@@ -93,7 +93,7 @@ class WebhookSender:
         return self.settings.lease_s
 
     def _payload(self, job_id: str) -> tuple[str | None, bytes]:
-        job = self.status.job(job_id)
+        job = self.state.jobs.get(job_id)
         body = {
             "event": "job.finished",
             "event_id": uuid.uuid4().hex,
@@ -117,11 +117,17 @@ class WebhookSender:
                 self._record(job_id, "refused: no signing secret")
             elif url and not self._post_with_retry(url, body, job_id):
                 # Stopping between attempts: another worker takes it from here.
-                self.status.scripts("return_events", self._event_keys, [job_id])
+                self.state.events.give_back([job_id])
                 return
+            self.state.events.done(job_id)
+        except TRANSIENT_REDIS_ERRORS as exc:
+            # Redis blinked: the event stays leased, its lease lapses, and any worker's
+            # housekeeping puts it back (sent again at worst: webhooks are at least once).
+            log.warning("webhook for job %s: Redis %s; it is sent again", job_id, _name(exc))
         except Exception:
             log.exception("webhook for job %s failed", job_id)
-        self.redis.zrem(self.keys.events_leased(), job_id)
+            with contextlib.suppress(RedisError):
+                self.state.events.done(job_id)
 
     def _record(self, job_id: str, outcome: str) -> None:
         self.redis.hset(self.keys.job(job_id), "webhook_status", outcome)
@@ -132,7 +138,7 @@ class WebhookSender:
         for attempt in range(1, self.settings.max_attempts + 1):
             if self._stopping.is_set():
                 return False
-            self.status.scripts("renew_event", self._event_keys, [job_id, self._lease_s()])
+            self.state.events.renew(job_id, self._lease_s())
             try:
                 status = self._post(url, body)
                 if status < 300:
@@ -175,4 +181,8 @@ class WebhookSender:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if unstarted:
             with contextlib.suppress(RedisError):
-                self.status.scripts("return_events", self._event_keys, unstarted)
+                self.state.events.give_back(unstarted)
+
+
+def _name(exc: BaseException) -> str:
+    return type(exc).__name__

@@ -8,10 +8,10 @@ from typing import Any
 
 from vlmq.config.errors import PermanentError, error_record
 from vlmq.config.schemas import Request, Result
+from vlmq.config.state.intake import Delivery
 from vlmq.config.status import TaskState
 from vlmq.config.tenants import DEFAULT_TENANT
 from vlmq.config.wire import TaskMessage
-from vlmq.workers.fleet.intake import Delivery
 from vlmq.workers.fleet.settle import Settlement
 
 __all__ = ["Work", "failed_result", "failure_settlement", "result_settlement"]
@@ -59,9 +59,23 @@ class Work:
         return self.delivery.status.get("attempts") is None
 
     @property
+    def alone_before(self) -> int:
+        """Times it was prepared alone without ever starting (its worker died each time)."""
+        value = self.delivery.status.get("alone") or "0"
+        return int(value) if value.isdigit() else 0
+
+    @property
+    def prestart_deaths(self) -> int:
+        """Earlier deliveries whose holder died before starting it (perhaps because of it: a
+        native decoder crash, an OOM kill while decoding): neither started (``attempts``)
+        nor given back (``returns``)."""
+        returns = self.delivery.status.get("returns") or "0"
+        return self.token - 1 - self.attempts - (int(returns) if returns.isdigit() else 0)
+
+    @property
     def job_id(self) -> str | None:
-        request_job = self.request.job_id if self.request else None
-        return request_job or self.status.get("job_id") or None
+        # Only the job that counted the task (its hash names it), never one a message asks for.
+        return self.status.get("job_id") or None
 
 
 def failed_result(request: Request, exc: BaseException, model: str) -> Result:
@@ -94,7 +108,7 @@ def result_settlement(item: Work, result: Result, worker: str) -> Settlement:
         "finished_at": time.time(),
     }
     record["attempts"] = item.attempts
-    record["deliveries"] = item.delivery.deliveries
+    record["deliveries"] = item.delivery.token
     record["worker"] = worker
     record["tenant"] = item.tenant
     state = TaskState.SUCCEEDED if result.status == "succeeded" else TaskState.FAILED
@@ -122,7 +136,7 @@ def failure_settlement(
         "error": error.to_dict(),
         "worker": worker,
         "attempts": item.attempts,
-        "deliveries": item.delivery.deliveries,
+        "deliveries": item.delivery.token,
         "tenant": item.tenant,
     }
     fields = {"worker": worker, "error_code": error.code, "error_message": error.message}

@@ -25,7 +25,7 @@ from vlmq.config.errors import (
     MediaForbidden,
     MediaTooLarge,
 )
-from vlmq.config.media_checks import decode_data_uri
+from vlmq.config.media_checks import check_path_name, decode_data_uri
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.deadline import Deadline
 from vlmq.workers.media.http_fetch import HttpFetcher
@@ -130,12 +130,7 @@ def _resolved_roots(roots: list[str]) -> list[str]:
 
 
 def _resolve_local_path(path: str) -> str:
-    if "\x00" in path:
-        raise InvalidRequest("media path contains a NUL character")
-    try:
-        os.fsencode(path)  # a lone surrogate ("\ud800") has no file-system name
-    except UnicodeEncodeError:
-        raise InvalidRequest("media path is not valid Unicode") from None
+    check_path_name(path)
     if not os.path.isabs(path):
         # A relative path would depend on each worker's current directory.
         raise InvalidRequest("local media path must be absolute")

@@ -20,10 +20,10 @@ from typing import Any
 
 from vlmq.config.schemas import FinishReason, Request, Result, Usage
 from vlmq.config.settings import EXIT_INJECTED_CRASH
-from vlmq.workers.engine.interface import Collated, OneSlot
+from vlmq.workers.engine.interface import Collated, OneSlot, RunOnlyEngine
 from vlmq.workers.engine.prepare import Prepared
 
-__all__ = ["NoopEngine", "SimulatedAccelerator"]
+__all__ = ["NoopEngine", "PrepareCrash", "SimulatedAccelerator"]
 
 
 def _text(request: Request) -> str:
@@ -71,6 +71,20 @@ class NoopEngine:
         if self.batch_delay_s:
             time.sleep(self.batch_delay_s)
         return [_empty_result(r, self.model_name, len(requests), worker) for r in requests]
+
+
+class PrepareCrash(RunOnlyEngine):
+    """A run-only engine whose prepare exits the process for a request holding ``marker``
+    (a native decoder crash, an OOM kill while decoding: its holder dies before it starts)."""
+
+    def __init__(self, engine: Any, marker: str) -> None:
+        super().__init__(engine)
+        self.marker = marker
+
+    def prepare(self, request: Request) -> Prepared:
+        if self.marker in _text(request):
+            os._exit(EXIT_INJECTED_CRASH)
+        return super().prepare(request)
 
 
 class SimulatedAccelerator(OneSlot):

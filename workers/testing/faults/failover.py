@@ -20,8 +20,8 @@ from typing import Any
 import redis
 
 from vlmq.config.keys import Keys
+from vlmq.config.state import State
 from vlmq.config.status import TERMINAL
-from vlmq.config.statusdb import StatusDB
 from vlmq.workers.testing.faults.harness import Harness, batch_policy
 from vlmq.workers.testing.faults.scenarios import _delivery_figures
 from vlmq.workers.testing.localredis import LocalRedis
@@ -50,7 +50,7 @@ class SentinelHarness(Harness):
 def _snapshot(node: DataNode, ids: list[str]) -> list[dict[str, str]]:
     """State and delivery count of every task, read from one node directly."""
     with node.connect() as conn:
-        return StatusDB(conn, Keys()).tasks(ids, ("state", "deliveries", "finished_at"))
+        return State(conn, Keys()).tasks.many(ids, ("state", "deliveries", "finished_at"))
 
 
 def _stuck(h: SentinelHarness, job: str, ids: list[str], worker: Any) -> str:
@@ -80,7 +80,7 @@ def _what_the_master_had(node: DataNode, ids: list[str]) -> list[dict[str, str]]
     restored = LocalRedis(node.workdir).start()
     try:
         with redis.Redis(port=restored.port, decode_responses=True) as conn:
-            return StatusDB(conn, Keys()).tasks(ids, ("state", "deliveries", "finished_at"))
+            return State(conn, Keys()).tasks.many(ids, ("state", "deliveries", "finished_at"))
     finally:
         restored.stop()
 
@@ -110,7 +110,7 @@ def _guarded(fn: Any, default: Any) -> Any:
 
 
 def _first_settle_after(h: SentinelHarness, ids: list[str], at: float) -> float | None:
-    rows = _guarded(lambda: h.client.status_db.tasks(ids, ("finished_at",)), [])
+    rows = _guarded(lambda: h.client.state.tasks.many(ids, ("finished_at",)), [])
     after = [float(r["finished_at"]) for r in rows if r.get("finished_at")]
     after = [t for t in after if t > at]
     return min(after) if after else None
@@ -152,7 +152,7 @@ def sentinel_failover(
         cluster.pause_replication()
         seen = conn.hget(key, "succeeded")  # read after the pause: what moves it is held
         wait_until(lambda: conn.hget(key, "succeeded") != seen, timeout=60, interval=0.001)
-        at_kill = StatusDB(conn, Keys()).tasks(ids, ("state", "deliveries"))
+        at_kill = State(conn, Keys()).tasks.many(ids, ("state", "deliveries"))
         killed_at = cluster.fail_master(old)
     killed_mono = time.monotonic()
     # Nothing reaches a replica after the cut until one is promoted: what each has now is

@@ -229,7 +229,7 @@ class Harness:
         return self.client.status(job)
 
     def statuses(self, ids: list[str]) -> list[dict[str, str]]:
-        return self.client.status_db.tasks(ids)
+        return self.client.state.tasks.many(ids)
 
     def objects(self, job: str) -> list[str]:
         return self.client.store.keys(job)
@@ -249,7 +249,7 @@ class Harness:
         fields = ("state", "worker", "attempts")
         return [
             i
-            for i, s in zip(ids, self.client.status_db.tasks(ids, fields), strict=True)
+            for i, s in zip(ids, self.client.state.tasks.many(ids, fields), strict=True)
             if s.get("state") == "running" and s.get("worker") == worker and s.get("attempts")
         ]
 

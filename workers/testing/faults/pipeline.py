@@ -26,7 +26,7 @@ def _held(h: Harness) -> int:
 
 
 def _attempts(h: Harness, ids: list[str]) -> list[int]:
-    rows = h.client.status_db.tasks(ids, ("attempts",))
+    rows = h.client.state.tasks.many(ids, ("attempts",))
     return [int(r.get("attempts") or 0) for r in rows]
 
 
@@ -79,6 +79,6 @@ def stopped_with_prefetched_work(
         # Attempts counted on tasks that were only prefetched when the signal came: 0.
         "prefetched_attempts": prefetched_attempts,
         "running_finished_by_victim": sum(
-            s.get("worker") == "victim" for s in h.client.status_db.tasks(running, ("worker",))
+            s.get("worker") == "victim" for s in h.client.state.tasks.many(running, ("worker",))
         ),
     }

@@ -79,7 +79,7 @@ def kill_storm(
 
 def _recovery(h: Harness, killed_at: float, held: list[str]) -> float:
     """From the kill until the last task the victim held was finished elsewhere."""
-    finished = h.client.status_db.tasks(held, ("finished_at",))
+    finished = h.client.state.tasks.many(held, ("finished_at",))
     return max(float(f["finished_at"]) for f in finished) - killed_at
 
 
@@ -163,7 +163,7 @@ def s3_outage(h: Harness, tasks: int, outage_s: float, delay_s: float = 0.1) -> 
 
 def _succeeded_without_object(h: Harness, job: str, ids: list[str]) -> int:
     objects = set(h.objects(job))
-    states = h.client.status_db.tasks(ids, ("state", "result_url"))
+    states = h.client.state.tasks.many(ids, ("state", "result_url"))
     store = h.client.store
     return sum(
         1
@@ -278,7 +278,9 @@ def sigterm_mid_batch(h: Harness, tasks: int = 64, delay_s: float = 1.0) -> dict
 
 
 def double_publish(h: Harness) -> dict[str, Any]:
-    """The same task id published twice (and a third time through Celery's format)."""
+    """The same message published twice, and a third message with the same task id (a new
+    envelope): the copy runs once; the other message names a task it is not, and fails alone
+    under an id of its own."""
     task = h.client.submit([{"role": "user", "content": "once"}], lane="bulk")
     raw: str = h.client.redis.lindex("vlmq.text", 0)  # type: ignore[assignment]
     h.client.redis.lpush("vlmq.text", raw)
@@ -293,9 +295,11 @@ def double_publish(h: Harness) -> dict[str, Any]:
         what="all copies consumed",
     )
     status = h.client.status(task)
+    objects = h.client.store.keys("_tasks")
     return {
         "published": 3,
-        "result_objects": len(h.client.store.keys("_tasks")),
+        "result_objects": sum(1 for key in objects if f"/{task}." in key),
+        "refused": sum(1 for key in objects if "/invalid-" in key),
         "state": status["state"],
         "executions": int(status.get("attempts") or 0),
     }

@@ -41,12 +41,12 @@ _LEASED = {"VLMQ_FLEET__LEASE_S": "3", "VLMQ_FLEET__REAP_INTERVAL_S": "0.5"}
 
 
 def _done_by(h: Harness, ids: list[str], worker: str) -> int:
-    rows = h.client.status_db.tasks(ids, ("state", "worker"))
+    rows = h.client.state.tasks.many(ids, ("state", "worker"))
     return sum(r.get("state") == "succeeded" and r.get("worker") == worker for r in rows)
 
 
 def _deliveries(h: Harness, ids: list[str]) -> list[int]:
-    return [int(s.get("deliveries") or 0) for s in h.client.status_db.tasks(ids, ("deliveries",))]
+    return [int(s.get("deliveries") or 0) for s in h.client.state.tasks.many(ids, ("deliveries",))]
 
 
 def clock_skew(
@@ -78,9 +78,9 @@ def clock_skew(
     h.kill(on_time)
     on_time.wait(10)
     h.wait_job(job, timeout=240)
-    finished = h.client.status_db.tasks(held, ("finished_at",))
+    finished = h.client.state.tasks.many(held, ("finished_at",))
     recovery = max(float(f["finished_at"]) for f in finished) - killed_at
-    statuses = h.client.status_db.tasks(ids, ("worker",))
+    statuses = h.client.state.tasks.many(ids, ("worker",))
     return {
         **_delivery_figures(h, job, ids),
         "skew_s": skew_s,
@@ -117,7 +117,7 @@ def cut_off_holder(h: Harness, tasks: int = 16, delay_s: float = 7.0) -> dict[st
     )
     # Its uploads and its (refused) settle follow the batch's end.
     h.wait_logged(cut_off, "results of superseded deliveries discarded")
-    statuses = h.client.status_db.tasks(ids, ("worker",))
+    statuses = h.client.state.tasks.many(ids, ("worker",))
     return {
         **_delivery_figures(h, job, ids),
         "taken_over": sum(s.get("worker") == "rescuer" for s in statuses),
@@ -314,7 +314,7 @@ def time_limit_per_engine_call(
         h.client.redis.hincrby(Keys().task(task), "attempts", 1)
     proc = h.noop_worker("careful", delay_s, VLMQ_FLEET__BATCH_TIME_LIMIT_S=str(limit_s))
     h.wait_job(job, timeout=120)
-    attempts = [int(s["attempts"]) for s in h.client.status_db.tasks(ids, ("attempts",))]
+    attempts = [int(s["attempts"]) for s in h.client.state.tasks.many(ids, ("attempts",))]
     return {
         **_delivery_figures(h, job, ids),
         "suspects": suspects,

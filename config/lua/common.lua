@@ -1,0 +1,69 @@
+-- vlmq's Redis scripts: one source made of one file per concern, run through one dispatch
+-- (config/scripts.py concatenates them in this order: common, tenants, intake, jobs, tasks,
+-- events, dispatch). ARGV[1] names the command; the rest of ARGV and KEYS are the command's
+-- own (documented above each one). Loaded twice, once refused under maxmemory and once with
+-- allow-oom (the commands that settle, give back or renew work must run when Redis is full, or
+-- a full fleet could never drain); a script with a shebang is refused or run whole, never
+-- half-applied.
+--
+-- Rules: every key arrives in KEYS; a key learned while running (the hash of a task just
+-- pulled, a task's job) is a prefix from Keys (ARGV) plus the id. Time is Redis's own (now()),
+-- so a worker with a skewed clock neither takes live work nor keeps dead work. A delivery's
+-- token is the task's delivery count at pull (the hash's 'deliveries'); a holder whose token
+-- is no longer the count was superseded and every fenced write of it is refused. A command
+-- that is not safe to repeat is called with a call id (dispatch.lua): a retry of the same
+-- call answers what the first run answered and changes nothing.
+
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function stamp(t) return string.format('%.6f', t) end
+
+local function csv_set(text)
+  local set = {}
+  for item in string.gmatch(text or '', '([^,]+)') do set[item] = true end
+  return set
+end
+
+-- Calls `command key item...` over `items` in slices (Lua's stack bounds one call's
+-- arguments): one call per slice instead of one per item.
+local function call_many(command, key, items, width)
+  local step = 960 * width
+  for i = 1, #items, step do
+    redis.call(command, key, unpack(items, i, math.min(i + step - 1, #items)))
+  end
+end
+
+-- A plain id: 1-128 of [A-Za-z0-9_.-], not made of dots only (config/ids.py ID_PATTERN: the
+-- same rule on both sides; '..' would name a folder of the result store).
+local function plain(id)
+  return type(id) == 'string' and #id >= 1 and #id <= 128
+    and string.match(id, '^[%w_.%-]+$') ~= nil and string.match(id, '^%.+$') == nil
+end
+
+-- A fed task's id: its job's number, the claim of its custom_id, its submission
+-- (config/ids.py fed_task_id). Such a task has a hash from the moment it is fed until it
+-- ends; then it is folded into its job: a copy of one without a hash has ended.
+local function is_fed_id(id)
+  return string.match(id, '^%d+%.[0-9a-f]+%.[0-9a-f]+$') ~= nil
+end
+
+-- The position of `name` among the status field names (1-based), or nil.
+local function field_index(names, name)
+  for i, n in ipairs(names) do if n == name then return i end end
+  return nil
+end
+
+-- Reads the status field names from ARGV at `at`: a count F, then F names.
+local function read_names(at)
+  local names, nf = {}, tonumber(ARGV[at])
+  for i = 1, nf do names[i] = ARGV[at + i] end
+  return names, at + nf + 1
+end
+
+local commands = {}
+-- How a command's reply is kept for a retry of the same call and answered again
+-- (dispatch.lua); a command without an entry keeps its reply as JSON.
+local replays = {}

@@ -1,0 +1,32 @@
+-- dispatch: run the command ARGV[1] names. The last two ARGV belong to the dispatch and are
+-- taken off (from the end: no shifting) before the command reads ARGV: the call's replay key
+-- (Keys.call: '' for a command that is safe to repeat) and how long it is kept. A command that is not safe to repeat is
+-- called with a call id the caller chose, the same for every retry of that call (redis-py
+-- resends a command whose reply a reset lost; a caller's own retry reuses it too): the first
+-- run keeps its reply under the key, in the same atomic step as its effect, and a retry
+-- answers that reply and changes nothing.
+
+local function keep(name, reply)
+  local replay = replays[name]
+  if replay then return replay.keep(reply) end
+  return cjson.encode(reply)
+end
+
+local function answer(name, kept)
+  local replay = replays[name]
+  if replay then return replay.answer(kept) end
+  return cjson.decode(kept)
+end
+
+local replay_ttl = tonumber(ARGV[#ARGV])
+ARGV[#ARGV] = nil
+local replay_key = ARGV[#ARGV]
+ARGV[#ARGV] = nil
+local name = ARGV[1]
+if replay_key ~= '' then
+  local kept = redis.call('GET', replay_key)
+  if kept then return answer(name, kept) end
+end
+local reply = commands[name]()
+if replay_key ~= '' then redis.call('SET', replay_key, keep(name, reply), 'EX', replay_ttl) end
+return reply

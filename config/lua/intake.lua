@@ -1,0 +1,385 @@
+-- intake and leases: pull, renew, acknowledge, give back, reap; workers' records ----------
+-- The bookkeeping of held messages, always KEYS[1..5] of these commands: inflight hash (id ->
+-- raw message), leases zset (id -> deadline), origin-queue hash, origin-active hash (the
+-- tenant's fair-share zset of a job list the message came from), job-list depth hash (a
+-- class's active-tenants zset -> messages waiting in its job lists: a class's queue depth
+-- without visiting every job).
+
+local function forget_all(ids)
+  if #ids == 0 then return end
+  call_many('HDEL', KEYS[1], ids, 1)
+  call_many('ZREM', KEYS[2], ids, 1)
+  call_many('HDEL', KEYS[3], ids, 1)
+  call_many('HDEL', KEYS[4], ids, 1)
+end
+
+local function forget(id) forget_all({id}) end
+
+-- Fair share is two-level: a class's active-tenants zset holds each tenant's active-jobs zset,
+-- which holds that tenant's job lists. A tenant's zset is named the class's plus ':<tenant>'
+-- (Keys.active_jobs), so the class's is found from it; the depth hash counts per class.
+local function class_of(active) return string.match(active, '^(.*):[^:]+$') end
+
+-- A job list that got `n` messages is a member of its tenant's zset, and the tenant of its
+-- class's. `depth`: the job-list depth hash.
+local function activate(list, active, n, depth)
+  local class = class_of(active)
+  redis.call('ZADD', active, 'NX', 0, list)
+  redis.call('ZADD', class, 'NX', 0, active)
+  redis.call('HINCRBY', depth, class, n)
+end
+
+-- Put a held message back at the head of its queue (RPUSH: the next one popped).
+local function requeue(id)
+  local raw = redis.call('HGET', KEYS[1], id)
+  local queue = redis.call('HGET', KEYS[3], id)
+  local moved = 0
+  if raw and queue then
+    redis.call('RPUSH', queue, raw)
+    local active = redis.call('HGET', KEYS[4], id)
+    if active then activate(queue, active, 1, KEYS[5]) end
+    moved = 1
+  end
+  forget(id)
+  return moved
+end
+
+-- identity ------------------------------------------------------------------------------
+-- A message is a delivery of task X when its header id is X and its tag is the one X was
+-- created with. A message's tag is Celery's properties.delivery_tag, a random 128-bit id
+-- every producer (kombu, vlmq's encoder) draws for each message it publishes, or the SHA-1 of
+-- its bytes for one without (config/ids.py message_tag). Every vlmq producer records it in
+-- its task's hash ('tag'); the first pull of a plain send_task message (no hash yet) records
+-- it there. A message that names a task it is not (a copy with a victim's id made by a
+-- producer that cannot read the victim's message, a nested "id" placed before its own, a
+-- second message with an id already taken) is a task of its own, 'invalid-<sha1>', which
+-- fails alone: a message never touches a task other than its own. (A process that can read
+-- Redis can copy a message whole; such a copy is the task's duplicate, and runs at most
+-- once. It could also rewrite any key: Redis's own access control is the boundary there.)
+-- The worker takes the id from here and never reads another from the message.
+
+-- The status fields a pull reads (the worker decides on the first six), then the tag; and
+-- for a task delivered before, how its earlier deliveries ended (workers/fleet/work.py).
+local STATUS_FIELDS = {'state', 'attempts', 'job_id', 'queued_at', 'expires_at', 'tenant', 'tag'}
+local TAG = #STATUS_FIELDS
+local REDELIVERY_FIELDS = {'alone', 'returns'}
+
+-- The status fields of a row: the first six, and for a redelivery (token above 1) the
+-- redelivery fields after them.
+local function row_status(key, status, n)
+  status[TAG] = nil
+  if n > 1 then
+    local again = redis.call('HMGET', key, unpack(REDELIVERY_FIELDS))
+    status[TAG], status[TAG + 1] = again[1], again[2]
+  end
+  return status
+end
+
+-- The first value of a JSON string key in the text (compact, or with ": "), if it is a plain
+-- run of the characters the key's values are made of (patterns built once).
+local ID_FORMS = {'"id":"', '"id": "'}
+local TAG_FORMS = {'"delivery_tag":"', '"delivery_tag": "'}
+local ID_VALUE, TAG_VALUE = '^([%w_.%-]+)"', '^([%w%-]+)"'
+
+local function first_value(raw, forms, value)
+  local _, e = string.find(raw, forms[1], 1, true)
+  if not e then _, e = string.find(raw, forms[2], 1, true) end
+  if e then return string.match(raw, value, e + 1) end
+  return nil
+end
+
+local function tag_of(tag, raw)
+  if type(tag) == 'string' and #tag <= 64 and string.match(tag, '^[%w%-]+$') then return tag end
+  return 'sha1:' .. redis.sha1hex(raw)
+end
+
+-- The header id and tag as every JSON reader takes them (the last key of a name wins, in
+-- cjson as in Python): read only when the fast path below did not prove the message.
+local function parsed(raw)
+  local ok, msg = pcall(cjson.decode, raw)
+  if not ok or type(msg) ~= 'table' then return nil, tag_of(nil, raw) end
+  local headers, properties = msg.headers, msg.properties
+  local id = type(headers) == 'table' and headers.id or nil
+  local tag = type(properties) == 'table' and properties.delivery_tag or nil
+  return id, tag_of(tag, raw)
+end
+
+local function status_of(prefix, id) return redis.call('HMGET', prefix .. id, unpack(STATUS_FIELDS)) end
+
+-- Returns the task id of `raw`, its status (STATUS_FIELDS) and the message's tag.
+local function identify(raw, prefix)
+  -- Fast path: the first id and tag in the text name a task created with that tag (a vlmq
+  -- producer wrote exactly that pair; nobody else knows the tag).
+  local id = first_value(raw, ID_FORMS, ID_VALUE)
+  local tag = first_value(raw, TAG_FORMS, TAG_VALUE)
+  if plain(id) and tag then
+    local status = status_of(prefix, id)
+    if status[TAG] == tag then return id, status, tag end
+  end
+  id, tag = parsed(raw)
+  if plain(id) then
+    local status = status_of(prefix, id)
+    if not status[TAG] or status[TAG] == tag then return id, status, tag end
+  end
+  id = 'invalid-' .. redis.sha1hex(raw)
+  return id, status_of(prefix, id), tag
+end
+
+-- A fed task without a hash ended (it was folded into its job) when its job still has a
+-- record for its claim: then the message is a stale copy. `refs`: Keys.job_ref_prefix,
+-- `jobs`: Keys.job_prefix.
+local function fed_and_ended(id, refs, jobs)
+  if not is_fed_id(id) then return false end
+  local number, claim = string.match(id, '^(%d+)%.([0-9a-f]+)%.')
+  local job = redis.call('GET', refs .. number)
+  return job ~= false and redis.call('HEXISTS', jobs .. job .. ':custom_ids', claim) == 1
+end
+
+-- pull: move up to N messages of one class into this worker's leases.
+-- KEYS[1..5] bookkeeping, KEYS[6] the class's active-tenants zset, KEYS[7..] its fixed lists:
+-- the interactive lane (priority order), then the plain bulk queue (priority order).
+-- ARGV: max count, lease seconds, task key prefix, number of interactive lists, terminal
+-- states (csv), task ttl seconds (a plain send_task's message gets its hash here, and the
+-- hash its ttl), job-ref key prefix, job key prefix. The interactive lane is drained first;
+-- the rest is shared round robin, first across tenants, then across each tenant's jobs: an
+-- equal share per member per round (one each when there are more members than room), least
+-- recently served first. The plain bulk queue (any Celery producer's messages) is one more
+-- member at the tenant level. A member served goes to the back of its zset, so with T active
+-- tenants and batches of B every tenant is served within ceil(T / B) pulls whatever its number
+-- of jobs, and a pull costs O(B log J). Lists are popped several messages at a time and the
+-- bookkeeping written once per pull: the per-message cost is what caps a Redis.
+-- A copy of a task that ended (terminal, or folded), or that a live holder has, is dropped
+-- (one run per task while its holder lives; a finished task never runs again); a holder
+-- whose lease ran out is fenced out by the new delivery's token. Returns {now, dropped,
+-- rows}; a row is {id, raw, token, status fields (row_status)}.
+function commands.pull()
+  local t = now()
+  local limit, deadline = tonumber(ARGV[2]), t + tonumber(ARGV[3])
+  local prefix, terminal, ttl = ARGV[4], csv_set(ARGV[6]), tonumber(ARGV[7])
+  local refs, jobs = ARGV[8], ARGV[9]
+  local out, dropped, taken = {}, 0, {}
+  local inflight, leases, origins, actives = {}, {}, {}, {}
+  -- Pops up to n messages of one list into this holder's rows; returns how many it popped.
+  local function take(list, active, n)
+    local raws = redis.call('RPOP', list, n)
+    if not raws then return 0 end
+    if active then redis.call('HINCRBY', KEYS[5], KEYS[6], -#raws) end
+    for _, raw in ipairs(raws) do
+      local id, status, tag = identify(raw, prefix)
+      local key = prefix .. id
+      local held_until = tonumber(redis.call('ZSCORE', KEYS[2], id))
+      local hashless = not status[TAG] and not status[1]
+      -- A job list's task has a hash until it ends (then it is folded, or expired with its
+      -- job); a fed task's likewise, on either lane.
+      local ended = hashless and (active or fed_and_ended(id, refs, jobs))
+      if ended or taken[id] or terminal[status[1] or ''] or (held_until and held_until > t) then
+        dropped = dropped + 1
+      else
+        taken[id] = true
+        inflight[#inflight + 1] = id
+        inflight[#inflight + 1] = raw
+        leases[#leases + 1] = deadline
+        leases[#leases + 1] = id
+        origins[#origins + 1] = id
+        origins[#origins + 1] = list
+        -- (an origin-active entry never outlives its in-flight entry: forget() drops both)
+        if active then
+          actives[#actives + 1] = id
+          actives[#actives + 1] = active
+        end
+        local n = redis.call('HINCRBY', key, 'deliveries', 1)
+        if not status[TAG] then
+          -- A plain message's first pull: its hash starts here, and records its tag.
+          redis.call('HSET', key, 'tag', tag)
+          redis.call('EXPIRE', key, ttl, 'NX')
+        end
+        out[#out + 1] = {id, raw, n, row_status(key, status, n)}
+      end
+    end
+    return #raws
+  end
+  local first = 7 + tonumber(ARGV[5])
+  for i = 7, first - 1 do
+    while #out < limit and take(KEYS[i], false, limit - #out) > 0 do end
+  end
+  local plain_lists = {}
+  for i = first, #KEYS do plain_lists[#plain_lists + 1] = KEYS[i] end
+  -- A member served goes to the back of its zset (score: one more than the last).
+  local function served(zset, member)
+    local last = redis.call('ZRANGE', zset, -1, -1, 'WITHSCORES')
+    redis.call('ZADD', zset, tonumber(last[2]) + 1, member)
+  end
+  -- One round over a tenant's jobs (least recently served first) with `room` to fill: an
+  -- equal share each, one each when it has more jobs than room. Returns what it took.
+  local function take_tenant(active, room)
+    local got = 0
+    local lists = redis.call('ZRANGE', active, 0, room - 1)
+    local share = math.ceil(room / math.max(#lists, 1))
+    for _, list in ipairs(lists) do
+      if got >= room then break end
+      local n = take(list, active, math.min(share, room - got))
+      if n > 0 then
+        got = got + n
+        served(active, list)
+      else
+        redis.call('ZREM', active, list)
+      end
+    end
+    return got
+  end
+  local tenants = KEYS[6]
+  local progress = true
+  while #out < limit and progress do
+    progress = false
+    local want = limit - #out
+    local members = redis.call('ZRANGE', tenants, 0, want - 1)
+    -- An equal share per tenant this round (the plain bulk queue, messages of any Celery
+    -- producer, is one more): one each when there are more tenants than room.
+    local share = math.ceil(want / (#members + 1))
+    for _, list in ipairs(plain_lists) do
+      if take(list, false, share) > 0 then progress = true break end
+    end
+    for _, active in ipairs(members) do
+      if #out >= limit then break end
+      if take_tenant(active, math.min(share, limit - #out)) > 0 then
+        progress = true
+        served(tenants, active)
+      elseif redis.call('EXISTS', active) == 0 then
+        redis.call('ZREM', tenants, active)  -- none of its jobs has messages left
+      end
+    end
+  end
+  if #out > 0 then
+    call_many('HSET', KEYS[1], inflight, 2)
+    call_many('ZADD', KEYS[2], leases, 2)
+    call_many('HSET', KEYS[3], origins, 2)
+    if #actives > 0 then call_many('HSET', KEYS[4], actives, 2) end
+  end
+  return {stamp(t), dropped, out}
+end
+
+-- A pull is kept for a retry as its ids and tokens, not its messages (those are in the
+-- in-flight hash, under this holder's lease, for as long as a retry may come).
+replays.pull = {
+  keep = function(reply)
+    local kept = {reply[1], reply[2]}
+    for _, row in ipairs(reply[3]) do
+      kept[#kept + 1] = row[1]
+      kept[#kept + 1] = row[3]
+    end
+    return table.concat(kept, ' ')
+  end,
+  answer = function(kept)
+    local words = {}
+    for word in string.gmatch(kept, '%S+') do words[#words + 1] = word end
+    local rows = {}
+    for i = 3, #words, 2 do
+      local id = words[i]
+      local raw = redis.call('HGET', KEYS[1], id)
+      if raw then
+        local n = tonumber(words[i + 1])
+        local status = row_status(ARGV[4] .. id, status_of(ARGV[4], id), n)
+        rows[#rows + 1] = {id, raw, n, status}
+      end
+    end
+    return {words[1], tonumber(words[2]), rows}
+  end,
+}
+
+-- renew: extend this holder's leases (allow-oom: renewing never needs memory). Safe to
+-- repeat. KEYS[1] leases. ARGV: lease seconds, task key prefix, then id, token pairs.
+-- Returns the ids this holder no longer holds (reaped, or delivered again elsewhere).
+function commands.renew()
+  local deadline, prefix, lost = now() + tonumber(ARGV[2]), ARGV[3], {}
+  for i = 4, #ARGV, 2 do
+    local id, token = ARGV[i], ARGV[i + 1]
+    if redis.call('ZSCORE', KEYS[1], id)
+       and redis.call('HGET', prefix .. id, 'deliveries') == token then
+      redis.call('ZADD', KEYS[1], 'XX', deadline, id)
+    else
+      lost[#lost + 1] = id
+    end
+  end
+  return lost
+end
+
+-- Applies `fn` to each id of ARGV's (id, token) pairs, from ARGV[3], that this holder still
+-- holds (ARGV[2]: task key prefix); returns the sum of what it returns.
+local function for_held(fn)
+  local prefix, total = ARGV[2], 0
+  for i = 3, #ARGV, 2 do
+    if redis.call('HGET', prefix .. ARGV[i], 'deliveries') == ARGV[i + 1] then
+      total = total + fn(ARGV[i])
+    end
+  end
+  return total
+end
+
+-- ack: forget held messages that will not run (their task ended while they were held)
+-- (allow-oom; safe to repeat). KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token
+-- pairs.
+function commands.ack()
+  return for_held(function(id) forget(id) return 1 end)
+end
+
+-- give_back: return held messages to their queues now (shutdown, not started) (allow-oom;
+-- safe to repeat: a message given back is no longer in flight). A return is counted on the
+-- task ('returns'): its next delivery is not one whose holder died before starting it.
+-- KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token pairs (only this holder's).
+function commands.give_back()
+  return for_held(function(id)
+    local moved = requeue(id)
+    if moved == 1 then redis.call('HINCRBY', ARGV[2] .. id, 'returns', 1) end
+    return moved
+  end)
+end
+
+-- reap: put back messages whose holder stopped renewing (it died) (allow-oom; safe to
+-- repeat). KEYS[1..5] bookkeeping. ARGV: most to move.
+function commands.reap()
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now(), 'LIMIT', 0, tonumber(ARGV[2]))
+  local moved = 0
+  for _, id in ipairs(ids) do moved = moved + requeue(id) end
+  return moved
+end
+
+-- workers' records ---------------------------------------------------------------------------
+-- KEYS[1] workers hash (name -> record), KEYS[2] workers' last-heard zset (name -> Redis's time).
+
+-- announce: a worker's heartbeat record (safe to repeat). ARGV: name, record, seconds after
+-- which a silent worker's record goes (a worker that died without a clean stop). Returns the
+-- records pruned.
+function commands.announce()
+  local t = now()
+  redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+  redis.call('ZADD', KEYS[2], t, ARGV[2])
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', t - tonumber(ARGV[4]), 'LIMIT', 0, 100)
+  if #gone > 0 then
+    call_many('HDEL', KEYS[1], gone, 1)
+    call_many('ZREM', KEYS[2], gone, 1)
+  end
+  return #gone
+end
+
+-- retire: a worker stopping cleanly takes its record away. ARGV: name.
+function commands.retire()
+  redis.call('HDEL', KEYS[1], ARGV[2])
+  return redis.call('ZREM', KEYS[2], ARGV[2])
+end
+
+-- named leases: one holder at a time of an activity (an API process feeding or finalizing a
+-- batch), owner-checked. KEYS[1] the lease key. Taking one is ``SET NX`` plus a read of the
+-- owner (config/state/intake.py ActivityLeases: a retried take finds its own token).
+
+-- renew_named: extend the lease if the caller still owns it. ARGV: token, seconds.
+-- Returns 1 if it did.
+function commands.renew_named()
+  if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+  return redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+end
+
+-- release_named: drop the lease if the caller still owns it (safe to repeat). ARGV: token.
+function commands.release_named()
+  if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+  return redis.call('DEL', KEYS[1])
+end

@@ -1,0 +1,232 @@
+-- tasks: state moves, fenced by delivery; settle (terminal moves and acknowledgements) -----
+
+-- The job counter changes and finish checks of one script call, applied once per job at its
+-- end: a batch of 64 tasks of one job costs a few counter writes, not 128.
+local function new_tally() return {deltas = {}, mirror = {}, jobs = {}} end
+
+-- `own`: the task counts in a quota of its own (not through its job's).
+local function count_move(tally, job, from, to, own)
+  local d = tally.deltas[job]
+  if not d then
+    d = {}
+    tally.deltas[job] = d
+    tally.mirror[job] = 0
+    tally.jobs[#tally.jobs + 1] = job
+  end
+  if from ~= '' then d[from] = (d[from] or 0) - 1 end
+  d[to] = (d[to] or 0) + 1
+  if not own then
+    if from == 'queued' then tally.mirror[job] = tally.mirror[job] - 1 end
+    if to == 'queued' then tally.mirror[job] = tally.mirror[job] + 1 end
+  end
+end
+
+-- `ctx`: {jobs = Keys.job_prefix, refs = Keys.job_ref_prefix, ttl = seconds, t = now,
+-- events = the events list, keep = whether the job's keys get their ttl again (a settle
+-- does: every job that runs settles often; a start or a cancel need not)}.
+local function apply_tally(tally, ctx)
+  for _, job in ipairs(tally.jobs) do
+    local jobkey = ctx.jobs .. job
+    for state, n in pairs(tally.deltas[job]) do
+      if state == 'queued' then
+        queued_by(jobkey, n, tally.mirror[job])
+      elseif n ~= 0 then
+        redis.call('HINCRBY', jobkey, state, n)
+      end
+    end
+    if ctx.keep then keep_job(jobkey, ctx.ttl, ctx.refs) end
+    finish_check(jobkey, job, ctx.t, ctx.events)
+  end
+end
+
+-- A fed bulk task that ends is folded into its job's claims hash and its own hash deleted:
+-- a finished task then costs one short hash field (its claim -> 'submission code[delivery]'),
+-- not a key of its own (measured: >= 180 B per key with a TTL, ~90 B per field). The code is
+-- the terminal state's letter; the delivery is there when a result object was written
+-- (result_key names it), and a task that ended without one keeps its custom_id instead.
+local FOLDED = {succeeded = 'S', failed = 'F', cancelled = 'C', expired = 'E'}
+local FOLDED_STATE = {S = 'succeeded', F = 'failed', C = 'cancelled', E = 'expired'}
+
+-- The task hash fields a move reads, once (fenced_move): h[1..10].
+local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'custom_id', 'attempts',
+                     'quota', 'est', 'tenant', 'started'}
+
+local function fold(key, h, m, jobkey)
+  local claims = jobkey .. ':custom_ids'
+  local live = redis.call('HGET', claims, h[4])
+  if live then
+    local stored = false
+    for i = 1, #m.fields - 1, 2 do
+      if m.fields[i] == 'result_url' then stored = true end
+    end
+    local record = string.match(live, '^%S+') .. ' ' .. FOLDED[m.new]
+    if stored then
+      record = record .. h[2]
+    else
+      record = record .. ' ' .. (h[5] or '')
+    end
+    redis.call('HSET', claims, h[4], record)
+  end
+  redis.call('DEL', key)
+end
+
+-- One task's move: allowed from-states ("," separated, "-" = no state yet); `m.stampf` (if not
+-- '') gets Redis's time; the job's counters change in `tally`. `h` is the task hash's
+-- MOVE_FIELDS, read once by fenced_move. Returns previous state, moved (1|0).
+local function move(key, m, h, jobprefix, t, tally)
+  local current = h[1] or ''
+  -- A start (it counts an attempt) this very delivery already made: it moved, once.
+  if m.attempt and h[10] == m.token and m.token ~= '' then return current, 1 end
+  local ok = false
+  for from in string.gmatch(m.allowed, '([^,]+)') do
+    if (from == '-' and current == '') or from == current then ok = true end
+  end
+  if not ok then return current, 0 end
+  local fields = m.fields
+  local job = h[3]
+  local in_job = job and job ~= ''
+  if in_job and h[4] and FOLDED[m.new] then
+    fold(key, h, m, jobprefix .. job)  -- its hash goes: no point writing it
+  else
+    if m.stampf ~= '' then fields[#fields + 1] = m.stampf; fields[#fields + 1] = stamp(t) end
+    if m.attempt then
+      fields[#fields + 1] = 'attempts'
+      fields[#fields + 1] = tostring((tonumber(h[6]) or 0) + 1)
+      fields[#fields + 1] = 'started'
+      fields[#fields + 1] = m.token
+    end
+    fields[#fields + 1] = 'state'
+    fields[#fields + 1] = m.new
+    redis.call('HSET', key, unpack(fields))
+  end
+  if current == 'queued' and m.new ~= 'queued' and h[7] then
+    quota_add(h[7], -1, -(tonumber(h[8] or '0') or 0))  -- it counted in a quota of its own
+  end
+  if in_job and current ~= m.new then count_move(tally, job, current, m.new, h[7] and true or false) end
+  return current, 1
+end
+
+-- Reads one task's move from ARGV at `at`: new state, allowed from-states, token, stamp
+-- field, whether it counts an attempt ('1'), then a count of field/value pairs and the pairs.
+-- Returns the move and the next `at`. A move never sets a task's job: only the producer that
+-- created the task and counted it in its job does (a message cannot join a job).
+local function read_move(at)
+  local m = {new = ARGV[at], allowed = ARGV[at + 1], token = ARGV[at + 2],
+             stampf = ARGV[at + 3], attempt = ARGV[at + 4] == '1', fields = {}}
+  local n = tonumber(ARGV[at + 5])
+  for j = 1, 2 * n, 2 do
+    if ARGV[at + 5 + j] ~= 'job_id' then
+      m.fields[#m.fields + 1] = ARGV[at + 5 + j]
+      m.fields[#m.fields + 1] = ARGV[at + 6 + j]
+    end
+  end
+  return m, at + 6 + 2 * n
+end
+
+-- A fed task without a hash ended and was folded: its job's record says how, and which
+-- delivery's result it kept. Returns its state and that delivery ('' none), or nil.
+local function folded_record(id, ctx)
+  if not is_fed_id(id) then return nil end
+  local number, claim, sub = string.match(id, '^(%d+)%.([0-9a-f]+)%.([0-9a-f]+)$')
+  local job = redis.call('GET', ctx.refs .. number)
+  if not job then return nil end
+  local record = redis.call('HGET', ctx.jobs .. job .. ':custom_ids', claim)
+  if not record then return nil end
+  local by, code, delivery = string.match(record, '^(%S+) (%a)(%d*)')
+  if by ~= sub or not code then return nil end
+  return FOLDED_STATE[code], delivery
+end
+
+-- A fenced move: refused for a holder whose delivery `m.token` is no longer the task's (''
+-- = unfenced: producers); counts an attempt when it moves. Returns previous state, moved
+-- (1|0), held (1|0), the hash's MOVE_FIELDS before it, and what the task's delivery count is
+-- now: the number, 'ended' (the task ended and was folded without this delivery's result:
+-- nothing of this holder's is the task's) or '' (unknown). A task folded by this very
+-- delivery (its own earlier settle) reads as held, never as someone else's.
+local function fenced_move(key, id, m, ctx, tally)
+  local h = redis.call('HMGET', key, unpack(MOVE_FIELDS))
+  if m.token ~= '' and h[2] ~= m.token then
+    if h[2] then return h[1] or '', 0, 0, h, h[2] end
+    local state, delivery = folded_record(id, ctx)
+    if not state then return '', 0, 0, h, '' end
+    if delivery == m.token then return state, 0, 1, h, delivery end
+    return state, 0, 0, h, 'ended'
+  end
+  local previous, moved = move(key, m, h, ctx.jobs, ctx.t, tally)
+  return previous, moved, 1, h, h[2] or ''
+end
+
+-- transition: producers and the worker's start. KEYS[1] events list, KEYS[2..] task hashes.
+-- ARGV: job key prefix, job-ref key prefix, ttl seconds, then per task its id and a move
+-- (read_move). Returns {previous, moved, held, current} per task (fenced_move); a fenced-out
+-- move is not applied. Called with a call id (a retried start counts one attempt; a retried
+-- cancel answers what it did).
+function commands.transition()
+  local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = now(), events = KEYS[1]}
+  local replies, at, tally = {}, 5, new_tally()
+  for i = 2, #KEYS do
+    local id = ARGV[at]
+    local m
+    m, at = read_move(at + 1)
+    local previous, moved, held, _, current = fenced_move(KEYS[i], id, m, ctx, tally)
+    replies[i - 1] = {previous, moved, held, current}
+  end
+  apply_tally(tally, ctx)
+  return replies
+end
+
+-- start: the worker's move of held tasks to running right before its engine call, one
+-- attempt each: transition's arguments and reply. Safe to repeat: a start this very delivery
+-- made ('started' is its token) reads as moved and counts no second attempt.
+commands.start = commands.transition
+
+-- settle: terminal transitions and acknowledgements of held tasks, one step (allow-oom).
+-- KEYS[1..5] bookkeeping, KEYS[6] events list, KEYS[7..] task hashes. ARGV: job key prefix,
+-- job-ref key prefix, ttl seconds, usage key prefix, usage-tenants set, then per task its id,
+-- a move and its usage (read_usage). Returns {previous, moved, held, current} per task: a
+-- holder that was fenced out (held 0) changes nothing, and its result never becomes the
+-- task's (nor counts in usage); a task that ended meanwhile is forgotten from the in-flight
+-- set either way. Safe to repeat: a task its first run ended reads as this holder's (its
+-- state terminal, or its fold record naming this delivery), moved no further, counted once.
+function commands.settle()
+  local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = now(), events = KEYS[6],
+               keep = true}
+  local replies, at, tally, settled = {}, 7, new_tally(), {}
+  local sums = new_sums()
+  for i = 7, #KEYS do
+    local id = ARGV[at]
+    local m, u
+    m, at = read_move(at + 1)
+    u, at = read_usage(at)
+    local previous, moved, held, h, current = fenced_move(KEYS[i], id, m, ctx, tally)
+    if held == 1 or current == 'ended' then settled[#settled + 1] = id end
+    if u and held == 1 and moved == 1 then
+      count_usage(sums, h[3], h[9], u, ctx.jobs, ARGV[5])
+    end
+    replies[i - 6] = {previous, moved, held, current}
+  end
+  forget_all(settled)
+  write_sums(sums, ARGV[6], ctx.ttl)
+  apply_tally(tally, ctx)
+  return replies
+end
+
+-- mark_alone: a task delivered again without ever starting (its holder died before it ran,
+-- perhaps because of it) is prepared alone, after its batch-mates are settled; this counts
+-- the times it went alone, once per delivery (safe to repeat). A task that killed its worker
+-- each time it was alone is dead-lettered, and only it (workers/fleet/triage.py).
+-- KEYS[1] task hash. ARGV: token. Returns the count.
+function commands.mark_alone()
+  local h = redis.call('HMGET', KEYS[1], 'deliveries', 'alone_token', 'alone')
+  if h[1] ~= ARGV[2] or h[2] == ARGV[2] then return tonumber(h[3] or '0') end
+  redis.call('HSET', KEYS[1], 'alone_token', ARGV[2])
+  return redis.call('HINCRBY', KEYS[1], 'alone', 1)
+end
+
+-- dead_letter: record why a task was given up (the dead-letter list keeps the newest `cap`).
+-- KEYS[1] dead-letter list. ARGV: record, cap. Called with a call id.
+function commands.dead_letter()
+  redis.call('LPUSH', KEYS[1], ARGV[2])
+  redis.call('LTRIM', KEYS[1], 0, math.max(0, tonumber(ARGV[3]) - 1))
+  return 1
+end

@@ -1,0 +1,239 @@
+"""Intake and leases: what a worker pulls, holds, renews, gives back, and what the fleet reaps.
+
+A worker moves up to N messages atomically from one class's queue lists into an in-flight hash
+with a lease it keeps renewing while it works (:class:`Intake`, ``lua/intake.lua`` ``pull``);
+settling acknowledges them (``Tasks.settle``). Any worker's reaper puts back messages whose
+lease ran out, their holder died (:class:`Leases`). Every deadline is computed inside Redis,
+and each delivery carries a token (the task's delivery count at pull): renew, start, settle and
+give-back are refused for a holder that was superseded, so its result never becomes the
+task's. The pull also decides which task a message is (``lua/intake.lua``, identity): the
+worker takes that id and reads no other from the message. Workers' heartbeat records
+(:class:`WorkerRecords`) live here too: the heartbeat is what renews the leases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis as redis_py
+
+from vlmq.config.keys import Keys
+from vlmq.config.scripts import Scripts
+from vlmq.config.status import TERMINAL
+from vlmq.config.tenants import DEFAULT_TENANT
+from vlmq.config.wire import priority_lists
+
+__all__ = ["Delivery", "Intake", "Leases", "NamedLeases", "Pull", "WorkerRecords"]
+
+# The status fields of a pulled row (lua/intake.lua row_status): six, and for a redelivery two
+# more, how its earlier deliveries ended.
+_STATUS_FIELDS = (
+    "state",
+    "attempts",
+    "job_id",
+    "queued_at",
+    "expires_at",
+    "tenant",
+    "alone",
+    "returns",
+)
+# Jobs whose tenant an intake remembers (a fed task's hash carries none: its job's it is).
+_JOB_TENANTS_KEPT = 4096
+_TERMINAL_CSV = ",".join(sorted(s.value for s in TERMINAL))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message taken from a queue; ``token`` is its delivery count, the fence."""
+
+    task_id: str
+    raw: str
+    token: int
+    status: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pull:
+    """What one pull took, Redis's time when it did, and the copies it dropped (already
+    finished, or held by a live holder)."""
+
+    deliveries: list[Delivery]
+    now: float
+    dropped: int = 0
+
+
+def _status(values: Sequence[str | None]) -> dict[str, str]:
+    status = {k: v for k, v in zip(_STATUS_FIELDS, values, strict=False) if v}
+    # A hash without a state was made by this very pull (a plain send_task).
+    status.setdefault("state", "queued")
+    return status
+
+
+def _pairs(held: Mapping[str, int]) -> list[Any]:
+    return [x for task_id, token in held.items() for x in (task_id, token)]
+
+
+class Intake:
+    """Pulls one modality class's messages into this worker's leases."""
+
+    def __init__(
+        self, redis: redis_py.Redis, scripts: Scripts, keys: Keys, modality: str, ttl_s: int
+    ) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.keys = keys
+        self.modality = modality
+        self.ttl_s = ttl_s
+        self.first = priority_lists(keys.queue(modality, "interactive"))
+        self.lists = [*self.first, *priority_lists(keys.queue(modality, "bulk"))]
+        self._job_tenants: OrderedDict[str, str] = OrderedDict()
+
+    def pull(self, limit: int, lease_s: float) -> Pull:
+        """Atomically move up to ``limit`` messages into this worker's hands, leased for
+        ``lease_s`` seconds of Redis's clock."""
+        keys = [*self.keys.bookkeeping(), self.keys.active_tenants(self.modality), *self.lists]
+        args = [limit, lease_s, self.keys.task_prefix, len(self.first), _TERMINAL_CSV]
+        args += [self.ttl_s, self.keys.job_ref_prefix, self.keys.job_prefix]
+        now, dropped, rows = self.scripts("pull", keys, args)
+        deliveries = [Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3])) for r in rows]
+        self._with_tenants(deliveries)
+        return Pull(deliveries, float(now), int(dropped))
+
+    def _with_tenants(self, deliveries: Sequence[Delivery]) -> None:
+        """Every delivery's status names its tenant: its own, else its job's (one pipelined
+        read for the jobs this worker has not seen), else the default."""
+        jobless = [d for d in deliveries if "tenant" not in d.status]
+        unknown = {
+            job for d in jobless if (job := d.status.get("job_id")) and job not in self._job_tenants
+        }
+        if unknown:
+            pipe = self.redis.pipeline(transaction=False)
+            for job in unknown:
+                pipe.hget(self.keys.job(job), "tenant")
+            for job, stored in zip(unknown, pipe.execute(), strict=True):
+                self._job_tenants[job] = stored or DEFAULT_TENANT
+                while len(self._job_tenants) > _JOB_TENANTS_KEPT:
+                    self._job_tenants.popitem(last=False)
+        for d in jobless:
+            d.status["tenant"] = self._job_tenants.get(d.status.get("job_id") or "", DEFAULT_TENANT)
+
+
+class Leases:
+    """The in-flight side every class shares: renew, acknowledge, give back, reap. Each is
+    safe to repeat (a retry after a lost reply changes nothing more)."""
+
+    def __init__(self, scripts: Scripts, keys: Keys) -> None:
+        self.scripts = scripts
+        self.keys = keys
+
+    def renew(self, held: Mapping[str, int], lease_s: float) -> list[str]:
+        """Extend this holder's leases; returns the ids it no longer holds."""
+        if not held:
+            return []
+        args = [lease_s, self.keys.task_prefix, *_pairs(held)]
+        return [str(i) for i in self.scripts("renew", [self.keys.leases()], args)]
+
+    def ack(self, held: Mapping[str, int]) -> int:
+        """Forget this holder's messages whose tasks ended while they were held."""
+        if not held:
+            return 0
+        args = [self.keys.task_prefix, *_pairs(held)]
+        return int(self.scripts("ack", self.keys.bookkeeping(), args))
+
+    def give_back(self, held: Mapping[str, int]) -> int:
+        """Return this holder's messages to their queues now (shutdown, or not started)."""
+        if not held:
+            return 0
+        args = [self.keys.task_prefix, *_pairs(held)]
+        return int(self.scripts("give_back", self.keys.bookkeeping(), args))
+
+    def reap(self, limit: int = 1000) -> int:
+        """Put back messages whose holder stopped renewing their lease (by Redis's clock)."""
+        return int(self.scripts("reap", self.keys.bookkeeping(), [limit]))
+
+
+class WorkerRecords:
+    """Workers' heartbeat records (``vlmq healthcheck worker``), pruned when silent."""
+
+    def __init__(self, redis: redis_py.Redis, scripts: Scripts, keys: Keys) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.keys = keys
+
+    def announce(self, name: str, record: Mapping[str, Any], forget_after_s: float) -> int:
+        """Write ``name``'s record, and drop those of workers silent for ``forget_after_s``
+        (they died without a clean stop); returns how many were dropped."""
+        args = [name, json.dumps(record, separators=(",", ":")), forget_after_s]
+        return int(self.scripts("announce", self._keys(), args))
+
+    def retire(self, name: str) -> None:
+        """A clean stop takes the record away."""
+        self.scripts("retire", self._keys(), [name])
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        raw: dict[str, str] = self.redis.hgetall(self.keys.workers())  # type: ignore[assignment]
+        return {name: json.loads(record) for name, record in raw.items()}
+
+    def _keys(self) -> list[str]:
+        return [self.keys.workers(), self.keys.workers_heard()]
+
+
+class NamedLeases:
+    """One holder at a time of a named activity (an API process feeding or finalizing a
+    batch): taken with a token of the holder's own, renewed while it works, released only by
+    its owner. A holder that dies leaves a lease that lapses."""
+
+    def __init__(self, redis: redis_py.Redis, scripts: Scripts) -> None:
+        self.redis = redis
+        self.scripts = scripts
+
+    def take(self, key: str, ttl_s: float) -> str | None:
+        """The lease's token if the caller got it (a retried take finds its own token)."""
+        token = secrets.token_hex(8)
+        if self.redis.set(key, token, nx=True, ex=max(1, int(ttl_s))):
+            return token
+        return token if self.redis.get(key) == token else None
+
+    def renew(self, key: str, token: str, ttl_s: float) -> bool:
+        """Extend it; False when the caller no longer owns it."""
+        return bool(self.scripts("renew_named", [key], [token, max(1, int(ttl_s))]))
+
+    def release(self, key: str, token: str) -> None:
+        self.scripts("release_named", [key], [token])
+
+    def held(self, key: str) -> bool:
+        return bool(self.redis.exists(key))
+
+    @contextlib.contextmanager
+    def holding(self, key: str, ttl_s: float) -> Iterator[bool]:
+        """Take the lease and keep it (renewed every third of ``ttl_s``) while the block runs;
+        yields whether it was taken. The block runs as long as it needs: its lease never
+        lapses under a live holder."""
+        token = self.take(key, ttl_s)
+        if token is None:
+            yield False
+            return
+        stop = threading.Event()
+        renewer = threading.Thread(
+            target=self._keep, args=(key, token, ttl_s, stop), name="lease-renewal", daemon=True
+        )
+        renewer.start()
+        try:
+            yield True
+        finally:
+            stop.set()
+            renewer.join()
+            with contextlib.suppress(redis_py.RedisError):
+                self.release(key, token)
+
+    def _keep(self, key: str, token: str, ttl_s: float, stop: threading.Event) -> None:
+        while not stop.wait(max(0.1, ttl_s / 3)):
+            with contextlib.suppress(redis_py.RedisError):
+                self.renew(key, token, ttl_s)

@@ -1,0 +1,316 @@
+"""Tasks: their status, their state moves (fenced by delivery) and the settle that ends them.
+
+Every state change goes through ``lua/tasks.lua``: ``transition`` (a producer's cancel, the
+worker's start) and ``settle`` (terminal moves, acknowledgements and usage in one step), so a
+task's state and its job's counters change together and only forward (``config/status.py``
+holds the table), on Redis's clock. A move carries its delivery's token: a holder that was
+superseded changes nothing. Reads of many tasks are one pipelined round trip.
+
+A task has one hash while it lives (``Keys.task``); a fed task's hash is folded into its job
+when it ends (``Folded``, read through its job's claims).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis as redis_py
+
+from vlmq.config.ids import FED_ID, valid_id
+from vlmq.config.keys import Keys
+from vlmq.config.results import result_key
+from vlmq.config.scripts import Call, Scripts, Wait
+from vlmq.config.status import TaskState, sources_of
+from vlmq.config.usage import TaskUsage
+
+__all__ = [
+    "ENDED",
+    "Folded",
+    "Move",
+    "Moved",
+    "Tasks",
+    "encode_move",
+    "with_state",
+]
+
+# A folded record's state letter (lua/tasks.lua FOLDED).
+_FOLDED_STATES = {"S": "succeeded", "F": "failed", "C": "cancelled", "E": "expired"}
+# What a move's reply says of a task that ended and was folded without this delivery's result.
+ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What a finished fed task leaves: its state, and either the delivery whose result
+    object it has (``result_key``) or, without an object, its custom_id."""
+
+    submission: str
+    state: str | None  # None: still live (its hash has the status)
+    delivery: int | None = None
+    custom_id: str | None = None
+
+    @classmethod
+    def parse(cls, record: str) -> Folded:
+        sub, _, rest = record.partition(" ")
+        if not rest:
+            return cls(sub, None)
+        code, body = rest[0], rest[1:]
+        state = _FOLDED_STATES.get(code, "unknown")
+        if body.startswith(" "):
+            return cls(sub, state, custom_id=body[1:] or None)
+        return cls(sub, state, delivery=int(body) if body.isdigit() else None)
+
+    def status(self, task_id: str, job_id: str) -> dict[str, str]:
+        out = {"state": str(self.state), "job_id": job_id, "folded": "1"}
+        if self.delivery is not None:
+            out["deliveries"] = str(self.delivery)
+            out["result_key"] = result_key(task_id, job_id, self.delivery)
+        if self.custom_id:
+            out["custom_id"] = self.custom_id
+        return out
+
+
+@dataclass(frozen=True)
+class Move:
+    """One task's state change; ``token`` fences it to the delivery that holds the task
+    (``None``: unfenced, a producer's cancel), ``stamp`` names a field set to Redis's time.
+    A move never sets a task's job (only the producer that counted it in its job does)."""
+
+    task_id: str
+    state: TaskState
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    token: int | None = None
+    stamp: str | None = None
+    count_attempt: bool = False  # the task is handed to an engine: attempts + 1 if it moves
+
+
+@dataclass(frozen=True)
+class Moved:
+    """One task's move as it was applied: its state before, whether it moved, whether the
+    mover held it (its token was the task's), the task's delivery count now ('' unknown;
+    ``ENDED``: the task ended and was folded without this delivery's result), and the
+    mover's token."""
+
+    task_id: str
+    previous: str
+    moved: bool
+    held: bool
+    current: str = ""
+    token: int = 0
+
+    @property
+    def superseded(self) -> bool:
+        """Another delivery has the task, or it ended without this one: what this holder
+        made is not the task's. (A count below this holder's token is a pull that a Redis
+        failover lost: this same token is delivered again and writes the same object, which
+        is then not someone else's.)"""
+        if self.held:
+            return False
+        if self.current == ENDED:
+            return True
+        return self.current.isdigit() and int(self.current) > self.token
+
+
+def _allowed_from(states: Iterable[TaskState | None]) -> str:
+    return ",".join("-" if s is None else s.value for s in states)
+
+
+def encode_move(move: Move, only_from: Iterable[TaskState] | None = None) -> list[Any]:
+    """A move as ``lua/tasks.lua``'s ``read_move`` takes it from ARGV."""
+    allowed = _allowed_from(only_from if only_from is not None else sources_of(move.state))
+    pairs = [x for k, v in move.fields.items() for x in (k, _as_text(v))]
+    token = "" if move.token is None else str(move.token)
+    attempt = "1" if move.count_attempt else "0"
+    return [move.state.value, allowed, token, move.stamp or "", attempt, len(pairs) // 2, *pairs]
+
+
+def _as_text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+class Tasks:
+    """Task status: moves, the settle, dead letters, and reads."""
+
+    def __init__(
+        self, redis: redis_py.Redis, scripts: Scripts, keys: Keys, ttl_s: int, wait: Wait | None
+    ) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.wait = wait  # each settle then WAITs for replicas (VLMQ_FLEET__SETTLE_WAIT_*)
+
+    # moves -----------------------------------------------------------------
+    def transition(
+        self,
+        task_id: str,
+        new_state: TaskState,
+        fields: Mapping[str, Any] | None = None,
+        only_from: Iterable[TaskState] | None = None,
+    ) -> Moved:
+        """Move one task forward (unfenced: a producer's); ``only_from`` narrows the states it
+        may leave (cancel: queued only)."""
+        move = Move(task_id, new_state, fields or {}, stamp="finished_at")
+        return self.moves([move], only_from=only_from)[0]
+
+    def moves(
+        self,
+        moves: Sequence[Move],
+        only_from: Iterable[TaskState] | None = None,
+        call: Call | None = None,
+    ) -> list[Moved]:
+        """Apply many moves in one script call (``transition``), each fenced by its token."""
+        return self._moves("transition", moves, only_from, call)
+
+    def _moves(
+        self,
+        command: str,
+        moves: Sequence[Move],
+        only_from: Iterable[TaskState] | None,
+        call: Call | None,
+    ) -> list[Moved]:
+        if not moves:
+            return []
+        argv: list[Any] = [self.keys.job_prefix, self.keys.job_ref_prefix, self.ttl_s]
+        for move in moves:
+            argv += [move.task_id, *encode_move(move, only_from)]
+        keys = [self.keys.events(), *(self.keys.task(m.task_id) for m in moves)]
+        reply = self.scripts(command, keys, argv, call=call)
+        return _moved(moves, reply)
+
+    def start(self, moves: Sequence[Move]) -> list[Moved]:
+        """The worker's start of held tasks (to running, one attempt each), fenced by each
+        move's token; safe to repeat: a start this delivery made counts once."""
+        return self._moves("start", moves, None, None)
+
+    def settle(
+        self, moves: Sequence[Move], usage: Sequence[TaskUsage | None] | None = None
+    ) -> list[Moved]:
+        """Terminal moves and acknowledgements of held tasks in one step, fenced by each
+        move's token, with what each task used counted for its tenant and job (``usage``,
+        aligned with ``moves``); runs while Redis is over maxmemory. Safe to repeat: a task
+        it already ended reads as held by this delivery, moved no further, counted once."""
+        if not moves:
+            return []
+        args: list[Any] = [self.keys.job_prefix, self.keys.job_ref_prefix, self.ttl_s]
+        args += [self.keys.usage_prefix, self.keys.usage_tenants()]
+        for index, move in enumerate(moves):
+            used = usage[index] if usage else None
+            args += [move.task_id, *encode_move(move), *(used.argv() if used else [""])]
+        keys = [*self.keys.bookkeeping(), self.keys.events(), *map(self.keys.task, _ids(moves))]
+        reply = self.scripts("settle", keys, args, wait=self.wait)
+        return _moved(moves, reply)
+
+    def mark_alone(self, task_id: str, token: int) -> int:
+        """Count that this delivery of a task that never started is prepared alone (once per
+        delivery); returns the count."""
+        return int(self.scripts("mark_alone", [self.keys.task(task_id)], [token]))
+
+    def dead_letter(self, record: str, cap: int) -> None:
+        """Keep why a task was given up (the newest ``cap`` records)."""
+        self.scripts("dead_letter", [self.keys.dead_letters()], [record, cap])
+
+    # reads -----------------------------------------------------------------
+    def get(self, task_id: str) -> dict[str, str]:
+        """A task's status ({"state": "unknown"} for an id Redis has never seen)."""
+        if not valid_id(task_id):
+            return {"state": TaskState.UNKNOWN.value}
+        raw: dict[str, str] = self.redis.hgetall(self.keys.task(task_id))  # type: ignore[assignment]
+        if raw:
+            return with_state(raw)
+        return self.folded(task_id) or {"state": TaskState.UNKNOWN.value}
+
+    def folded(self, task_id: str) -> dict[str, str] | None:
+        """A finished fed task's status, from its job's claims (its id names both)."""
+        match = FED_ID.match(task_id)
+        if match is None:
+            return None
+        number, claim, submission = match.groups()
+        job_id: str | None = self.redis.get(self.keys.job_ref(number))  # type: ignore[assignment]
+        if job_id is None:
+            return None
+        record: str | None = self.redis.hget(self.keys.job_custom_ids(job_id), claim)  # type: ignore[assignment]
+        if record is None:
+            return None
+        folded = Folded.parse(record)
+        if folded.submission != submission or folded.state is None:
+            return None  # superseded by a later submission's task (or mid-fold)
+        return folded.status(task_id, job_id)
+
+    def many(self, task_ids: Sequence[str], fields: Sequence[str] = ()) -> list[dict[str, str]]:
+        """Status of many tasks in one pipelined round trip (``fields``: only those)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in task_ids:
+            key = self.keys.task(task_id)
+            if fields:
+                pipe.hmget(key, list(fields))
+            else:
+                pipe.hgetall(key)
+        replies = pipe.execute()
+        if fields:
+            return [_fields(fields, values) for values in replies]
+        return [with_state(r) if r else {"state": TaskState.UNKNOWN.value} for r in replies]
+
+    def states(self, task_ids: Sequence[str]) -> list[TaskState]:
+        """Each task's state, in one pipelined round trip (a second one for finished fed
+        tasks, whose state their job keeps)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hget(self.keys.task(task_id), "state")
+        states = [_STATES.get(value, TaskState.UNKNOWN) for value in pipe.execute()]
+        unknown = [i for i, s in enumerate(states) if s is TaskState.UNKNOWN]
+        fed = [i for i in unknown if FED_ID.match(task_ids[i])]
+        for index, folded in zip(fed, self._folded_many([task_ids[i] for i in fed]), strict=True):
+            if folded is not None:
+                states[index] = _STATES.get(folded.state, TaskState.UNKNOWN)
+        return states
+
+    def _folded_many(self, task_ids: Sequence[str]) -> list[Folded | None]:
+        """The folded records of finished fed tasks: their jobs, then their records."""
+        if not task_ids:
+            return []
+        parts = [FED_ID.match(t).groups() for t in task_ids]  # type: ignore[union-attr]
+        numbers = sorted({number for number, _, _ in parts})
+        pipe = self.redis.pipeline(transaction=False)
+        for number in numbers:
+            pipe.get(self.keys.job_ref(number))
+        jobs = dict(zip(numbers, pipe.execute(), strict=True))
+        pipe = self.redis.pipeline(transaction=False)
+        for number, claim, _ in parts:
+            pipe.hget(self.keys.job_custom_ids(jobs[number] or "-"), claim)
+        records = pipe.execute()
+        found: list[Folded | None] = []
+        for (_, _, submission), record in zip(parts, records, strict=True):
+            folded = Folded.parse(str(record)) if record else None
+            ok = folded is not None and folded.submission == submission and folded.state
+            found.append(folded if ok else None)
+        return found
+
+
+# A hash without a state was made by the pull of a plain send_task message: it is queued.
+_STATES: dict[str | None, TaskState] = {s.value: s for s in TaskState}
+
+
+def with_state(fields: dict[str, str]) -> dict[str, str]:
+    """A task enqueued by a plain ``send_task`` has a hash (its delivery count) before its
+    first transition: it is queued."""
+    fields.setdefault("state", TaskState.QUEUED.value)
+    return fields
+
+
+def _ids(moves: Sequence[Move]) -> list[str]:
+    return [m.task_id for m in moves]
+
+
+def _moved(moves: Sequence[Move], reply: Sequence[Any]) -> list[Moved]:
+    return [
+        Moved(m.task_id, str(r[0]), bool(int(r[1])), bool(int(r[2])), str(r[3] or ""), m.token or 0)
+        for m, r in zip(moves, reply, strict=True)
+    ]
+
+
+def _fields(names: Iterable[str], values: Sequence[str | None]) -> dict[str, str]:
+    out = {n: v for n, v in zip(names, values, strict=True) if v is not None}
+    return out if out else {"state": TaskState.UNKNOWN.value}

@@ -1,0 +1,284 @@
+"""The state layer against a real Redis: every call that is not safe to repeat answers a retry
+of itself with its first reply and changes nothing more; the pull names every message's task
+one way; a fed task's copy never runs once it ended; the named leases, worker records, job
+key lifetimes and the feeder's byte window.
+
+(Lost replies through a real connection reset are tests/faults/test_lost_replies.py's.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from vlmq.config.ids import message_tag
+from vlmq.config.keys import Keys
+from vlmq.config.scripts import REPLAYED, Call
+from vlmq.config.settings import Settings
+from vlmq.config.state.tasks import Move
+from vlmq.config.status import TaskState
+from vlmq.config.wire import encode_message
+from vlmq.producers.bulk import submit_jsonl
+from vlmq.producers.client import Client
+
+KEYS = Keys()
+
+
+def _text(n: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"line {n}"}]
+
+
+def _start(client: Client, limit: int = 50) -> list[Any]:
+    deliveries = client.state.intake("text").pull(limit, 60).deliveries
+    moves = [
+        Move(d.task_id, TaskState.RUNNING, {"worker": "w"}, d.token, "started_at", True)
+        for d in deliveries
+    ]
+    client.state.tasks.start(moves)
+    return deliveries
+
+
+# replays ------------------------------------------------------------------------------------
+
+
+def test_a_call_repeated_with_its_id_answers_its_first_reply_and_changes_nothing(settings):
+    client = Client(settings)
+    job = client.submit_many([_text(n) for n in range(4)])
+    deliveries = client.state.intake("text").pull(10, 60).deliveries
+    starts = [
+        Move(d.task_id, TaskState.RUNNING, {}, d.token, "started_at", True) for d in deliveries
+    ]
+    call = Call()
+    first = client.state.tasks.moves(starts, call=call)
+    again = client.state.tasks.moves(starts, call=call)
+    assert first == again and all(m.moved for m in again)
+    assert {client.state.tasks.get(d.task_id)["attempts"] for d in deliveries} == {"1"}
+    ends = [Move(d.task_id, TaskState.SUCCEEDED, {}, d.token, "finished_at") for d in deliveries]
+    first = client.state.tasks.settle(ends)
+    again = client.state.tasks.settle(ends)  # safe to repeat by construction
+    assert all(m.held and m.moved for m in first)
+    assert all(m.held and not m.moved and m.previous == "succeeded" for m in again)
+    status = client.status(job)
+    assert (status["total"], status["counts"]["succeeded"], status["state"]) == (4, 4, "completed")
+
+
+def test_a_new_call_is_a_new_call(settings):
+    client = Client(settings)
+    tenants = client.state.tenants
+    assert tenants.take_rate("t", 0.001, 2) == 0.0
+    assert tenants.take_rate("t", 0.001, 2) == 0.0  # another call: a second token
+    assert tenants.take_rate("t", 0.001, 2) > 0.0
+
+
+def test_a_start_this_delivery_made_counts_once(settings):
+    client = Client(settings)
+    client.submit(_text(0))
+    (delivery,) = client.state.intake("text").pull(1, 60).deliveries
+    start = [Move(delivery.task_id, TaskState.RUNNING, {}, delivery.token, "started_at", True)]
+    assert client.state.tasks.start(start)[0].moved
+    assert client.state.tasks.start(start)[0].moved  # read as moved: this delivery's own
+    assert client.state.tasks.get(delivery.task_id)["attempts"] == "1"
+    client.state.leases.give_back({delivery.task_id: delivery.token})
+    (again,) = client.state.intake("text").pull(1, 60).deliveries
+    restart = [Move(again.task_id, TaskState.RUNNING, {}, again.token, "started_at", True)]
+    assert client.state.tasks.start(restart)[0].moved  # a new delivery: a new attempt
+    assert client.state.tasks.get(delivery.task_id)["attempts"] == "2"
+
+
+def test_replayed_commands_are_the_ones_not_safe_to_repeat():
+    assert {"pull", "transition", "submit", "enqueue", "register_feed", "feed"} <= REPLAYED
+    safe = {"settle", "renew", "ack", "give_back", "reap", "seal", "release_feed"}
+    assert safe.isdisjoint(REPLAYED)
+
+
+def test_replies_are_kept_for_the_configured_time(settings):
+    client = Client(
+        settings.model_copy(
+            update={"fleet": settings.fleet.model_copy(update={"replay_ttl_s": 42})}
+        )
+    )
+    client.submit(_text(0))
+    (key,) = client.redis.keys(KEYS.call("*"))
+    assert 0 < client.redis.ttl(key) <= 42
+
+
+# identity ----------------------------------------------------------------------------------
+
+
+def _push(client: Client, message: str, queue: str = "vlmq.text") -> None:
+    client.redis.lpush(queue, message)
+
+
+def _body(request: dict[str, Any]) -> str:
+    return json.dumps(request)
+
+
+def test_a_copy_naming_a_task_it_is_not_fails_alone_and_leaves_that_task_alone(settings):
+    victim_client = Client(settings, tenant="victim")
+    victim = victim_client.submit(_text(1), lane="bulk")
+    forged = encode_message(_body({"messages": _text(666)}), victim, "vlmq.text")
+    _push(victim_client, forged)
+    pulled = {d.task_id: d for d in victim_client.state.intake("text").pull(10, 60).deliveries}
+    assert victim in pulled and pulled[victim].token == 1
+    assert pulled[victim].raw != forged
+    (other,) = [t for t in pulled if t != victim]
+    assert other.startswith("invalid-")
+    assert victim_client.redis.hget(KEYS.task(victim), "deliveries") == "1"
+
+
+def test_a_nested_id_before_the_header_id_names_nobody_else(settings):
+    client = Client(settings)
+    victim = client.submit(_text(1), lane="bulk")
+    (taken,) = client.state.intake("text").pull(1, 60).deliveries  # the victim is held now
+    assert taken.task_id == victim
+    raw = json.dumps(
+        {
+            "body": "W1tdLHt9LHt9XQ==",
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {"trace": {"id": victim}, "id": "mine", "task": "vlmq.generate"},
+            "properties": {"body_encoding": "base64"},
+        },
+        separators=(",", ":"),  # the nested '"id":"' is the first in the text
+    )
+    _push(client, raw)
+    (mine,) = client.state.intake("text").pull(1, 60).deliveries
+    assert mine.task_id == "mine"
+    assert client.redis.hget(KEYS.task(victim), "deliveries") == "1"
+
+
+def test_a_plain_messages_first_pull_owns_its_id(settings):
+    client = Client(settings)
+    first = encode_message(_body({"messages": _text(1)}), "shared-id", "vlmq.text")
+    second = encode_message(_body({"messages": _text(2)}), "shared-id", "vlmq.text")
+    _push(client, first)
+    (owner,) = client.state.intake("text").pull(1, 60).deliveries
+    assert owner.task_id == "shared-id"
+    assert client.redis.hget(KEYS.task("shared-id"), "tag") == message_tag(first)
+    _push(client, second)
+    (other,) = client.state.intake("text").pull(1, 60).deliveries
+    assert other.task_id.startswith("invalid-")
+
+
+def test_ids_of_dots_name_no_task(settings):
+    client = Client(settings)
+    for task_id in (".", "..", "..."):
+        _push(client, encode_message(_body({"messages": _text(1)}), task_id, "vlmq.text"))
+    pulled = client.state.intake("text").pull(10, 60).deliveries
+    assert len(pulled) == 3 and all(d.task_id.startswith("invalid-") for d in pulled)
+
+
+# fed tasks ----------------------------------------------------------------------------------
+
+
+def _lines(n: int) -> list[str]:
+    return [json.dumps({"custom_id": f"c{i}", "messages": _text(i)}) for i in range(n)]
+
+
+@pytest.mark.parametrize("lane", ["bulk", "interactive"])
+def test_a_copy_of_an_ended_fed_task_is_dropped_on_either_lane(settings, lane):
+    client = Client(settings)
+    submit_jsonl(client, _lines(3), "fed", lane=lane)
+    queue = KEYS.queue("text", lane) if lane == "interactive" else KEYS.job_queue("text", "fed")
+    copies: list[str] = client.redis.lrange(queue, 0, -1)  # type: ignore[assignment]
+    assert len(copies) == 3
+    assert client.cancel("fed") == 3
+    for copy in copies:
+        _push(client, copy, queue)
+    pull = client.state.intake("text").pull(10, 60)
+    assert pull.deliveries == [] and pull.dropped == 6
+    assert client.status("fed")["counts"]["cancelled"] == 3
+
+
+def test_a_task_cancelled_while_held_is_let_go_at_start(settings):
+    client = Client(settings)
+    submit_jsonl(client, _lines(2), "held", lane="interactive")
+    deliveries = client.state.intake("text").pull(10, 60).deliveries
+    assert client.cancel("held") == 2  # still queued while held: cancelled, folded
+    starts = [
+        Move(d.task_id, TaskState.RUNNING, {}, d.token, "started_at", True) for d in deliveries
+    ]
+    replies = client.state.tasks.moves(starts)
+    assert [r.moved for r in replies] == [False, False]
+    assert all(r.current == "ended" for r in replies)
+    status = client.status("held")
+    assert (status["total"], status["counts"]["cancelled"], status["state"]) == (2, 2, "cancelled")
+
+
+# pre-start deaths -----------------------------------------------------------------------------
+
+
+def test_going_alone_is_counted_once_per_delivery(settings: Settings) -> None:
+    client = Client(settings)
+    task = client.submit(_text(0))
+    (d,) = client.state.intake("text").pull(1, 60).deliveries
+    assert client.state.tasks.mark_alone(task, d.token) == 1
+    assert client.state.tasks.mark_alone(task, d.token) == 1  # a retry: the same delivery
+    assert client.state.tasks.mark_alone(task, d.token + 1) == 1  # not this task's delivery
+    client.state.leases.give_back({task: d.token})
+    (d,) = client.state.intake("text").pull(1, 60).deliveries
+    assert d.status["alone"] == "1"
+    assert client.state.tasks.mark_alone(task, d.token) == 2
+
+
+# named leases, worker records, job keys -------------------------------------------------------
+
+
+def test_a_named_lease_is_the_owners_alone(settings):
+    client = Client(settings)
+    named = client.state.named
+    token = named.take("vlmq:lock:x", 30)
+    assert token is not None and named.take("vlmq:lock:x", 30) is None
+    assert named.renew("vlmq:lock:x", "not-the-owner", 30) is False
+    named.release("vlmq:lock:x", "not-the-owner")
+    assert named.held("vlmq:lock:x")
+    assert named.renew("vlmq:lock:x", token, 30) is True
+    named.release("vlmq:lock:x", token)
+    assert not named.held("vlmq:lock:x")
+
+
+def test_a_named_lease_outlives_its_ttl_while_held(settings):
+    client = Client(settings)
+    named = client.state.named
+    with named.holding("vlmq:lock:y", 1) as held:
+        assert held
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # three times its ttl, renewed meanwhile
+            assert named.held("vlmq:lock:y")
+            time.sleep(0.1)
+    assert not named.held("vlmq:lock:y")
+
+
+def test_silent_workers_records_are_pruned(settings):
+    client = Client(settings)
+    records = client.state.workers
+    records.announce("dead", {"at": 0}, forget_after_s=3600)
+    client.redis.zadd(KEYS.workers_heard(), {"dead": 1.0})  # heard from long ago
+    assert records.announce("live", {"at": 1}, forget_after_s=60) == 1
+    assert set(records.all()) == {"live"}
+    records.retire("live")
+    assert records.all() == {} and client.redis.zcard(KEYS.workers_heard()) == 0
+
+
+def test_a_jobs_keys_get_their_ttl_again_while_it_runs(settings):
+    fleet = settings.fleet.model_copy(update={"task_ttl_s": 1000})
+    client = Client(settings.model_copy(update={"fleet": fleet}))
+    job = client.submit_many([_text(n) for n in range(2)])
+    for key in (KEYS.job(job), KEYS.job_tasks(job)):
+        client.redis.expire(key, 5)  # most of its ttl went by
+    deliveries = _start(client)
+    ends = [Move(d.task_id, TaskState.SUCCEEDED, {}, d.token, "finished_at") for d in deliveries]
+    client.state.tasks.settle(ends[:1])  # a settle gives them their ttl again
+    assert client.redis.ttl(KEYS.job(job)) > 900
+    assert client.redis.ttl(KEYS.job_tasks(job)) > 900
+
+
+def test_the_feeder_fills_a_window_by_bytes(settings: Settings) -> None:
+    fleet = settings.fleet.model_copy(update={"feed_window_bytes": 6000})
+    client = Client(settings.model_copy(update={"fleet": fleet}))
+    report = submit_jsonl(client, _lines(50), "bytes")
+    # Messages of ~1.3 kB: four or five fit the byte window, far below the count window.
+    assert 3 <= report.enqueued <= 6
+    assert client.status("bytes")["total"] == 50

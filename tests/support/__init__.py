@@ -1,0 +1,1 @@
+"""Test-only helpers shared by the test tiers (fault injectors, fleet processes)."""

@@ -1,0 +1,43 @@
+"""What this worker holds: the deliveries it has leases on, renewed by its heartbeat.
+
+The pulls, leases and settles themselves are the state layer's (``config/state/intake.py``,
+``config/state/tasks.py``); this is the worker's own, in-memory side of them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from vlmq.config.state.intake import Delivery
+
+__all__ = ["Held"]
+
+
+class Held:
+    """The deliveries this worker holds leases on (task id -> token), renewed by its
+    heartbeat until they are settled, given back or found lost."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, deliveries: Iterable[Delivery]) -> None:
+        with self._lock:
+            self._tokens.update((d.task_id, d.token) for d in deliveries)
+
+    def release(self, task_ids: Iterable[str]) -> None:
+        with self._lock:
+            for task_id in task_ids:
+                self._tokens.pop(task_id, None)
+
+    def tokens(self, task_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Held ids and their tokens (all, or those of ``task_ids`` still held)."""
+        with self._lock:
+            if task_ids is None:
+                return dict(self._tokens)
+            return {i: self._tokens[i] for i in task_ids if i in self._tokens}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tokens)

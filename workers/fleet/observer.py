@@ -38,6 +38,10 @@ class LoopObserver:
     def superseded(self, task_ids: Sequence[str]) -> None:
         """Results of deliveries that no longer held their task were discarded."""
 
+    def settled(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """These result records are their tasks' results now: stored and settled (the
+        terminal status points at them); called once per settle, off the loop's thread."""
+
     def dropped(self, count: int) -> None:
         """A pull dropped copies of tasks already finished or held by a live holder."""
 
@@ -84,6 +88,9 @@ class Observers(LoopObserver):
 
     def superseded(self, task_ids: Sequence[str]) -> None:
         self._each("superseded", task_ids)
+
+    def settled(self, records: Sequence[Mapping[str, Any]]) -> None:
+        self._each("settled", records)
 
     def dropped(self, count: int) -> None:
         self._each("dropped", count)

@@ -244,6 +244,8 @@ class Settler:
         self.held.release(s.task_id for s in settlements)
         won = [s for s, done in zip(settlements, settled, strict=True) if done.held]
         lost = [(s, done) for s, done in zip(settlements, settled, strict=True) if not done.held]
+        if won:
+            self.observer.settled([s.record for s in won])
         if lost:
             log.warning("%d results of superseded deliveries discarded", len(lost))
             self.observer.superseded([s.task_id for s, _ in lost])

@@ -109,12 +109,14 @@ class Settlement:
 
     def unstored(self, reason: str) -> Settlement:
         """This settlement as a failure without a result object (the store refused it)."""
+        error = ResultNotStored(f"the result could not be stored: {reason}"[:500])
         fields = {
             **{k: v for k, v in self.fields.items() if k in ("worker", "batch_id")},
-            "error_code": ResultNotStored.code,
-            "error_message": f"the result could not be stored: {reason}"[:500],
+            "error_code": error.code,
+            "error_message": error.message,
         }
-        return Settlement(self.record, TaskState.FAILED, fields, self.token)
+        record = {**self.record, "status": "failed", "error": error.to_dict(), "output": None}
+        return Settlement(record, TaskState.FAILED, fields, self.token)
 
 
 @dataclass(frozen=True)

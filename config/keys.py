@@ -217,6 +217,11 @@ class Keys:
         are pruned)."""
         return f"{self.prefix}:workers:heard"
 
+    def finished_channel(self, listener: str) -> str:
+        """Pub/sub channel one waiting process listens on: a task whose hash names it
+        (``notify``) is published there, by id, when it ends."""
+        return f"{self.prefix}:finished:{listener}"
+
     # calls -----------------------------------------------------------------
     def call(self, call_id: str) -> str:
         """The reply a call that is not safe to repeat keeps for its retries

@@ -47,9 +47,9 @@ end
 local FOLDED = {succeeded = 'S', failed = 'F', cancelled = 'C', expired = 'E'}
 local FOLDED_STATE = {S = 'succeeded', F = 'failed', C = 'cancelled', E = 'expired'}
 
--- The task hash fields a move reads, once (fenced_move): h[1..10].
+-- The task hash fields a move reads, once (fenced_move): h[1..11].
 local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'custom_id', 'attempts',
-                     'quota', 'est', 'tenant', 'started'}
+                     'quota', 'est', 'tenant', 'started', 'notify'}
 
 local function fold(key, h, m, jobkey)
   local claims = jobkey .. ':custom_ids'
@@ -153,6 +153,8 @@ local function fenced_move(key, id, m, ctx, tally)
     return state, 0, 0, h, 'ended'
   end
   local previous, moved = move(key, m, h, ctx.jobs, ctx.t, tally)
+  -- Someone waits for this task's end (an API process answering a call synchronously).
+  if moved == 1 and h[11] and FOLDED[m.new] then redis.call('PUBLISH', h[11], id) end
   return previous, moved, 1, h, h[2] or ''
 end
 

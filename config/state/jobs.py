@@ -37,7 +37,8 @@ __all__ = ["QUEUED_FIELDS", "Feeds", "Jobs", "Queued", "class_pairs"]
 
 # The status fields a new task's hash is created with (besides state and the stamps):
 # ``claim`` marks a fed task, folded into its job when it ends (lua/tasks.lua ``fold``);
-# ``quota`` a task that counts in its tenant's quota itself; ``tag`` its message's.
+# ``quota`` a task that counts in its tenant's quota itself; ``notify`` the channel told when
+# it ends (a waiting API process's: Keys.finished_channel); ``tag`` its message's.
 QUEUED_FIELDS = (
     "job_id",
     "custom_id",
@@ -48,6 +49,7 @@ QUEUED_FIELDS = (
     "tenant",
     "est",
     "quota",
+    "notify",
     "tag",
 )
 # The fields a producer gives; the tag is read from the message.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -282,3 +283,27 @@ def test_the_feeder_fills_a_window_by_bytes(settings: Settings) -> None:
     # Messages of ~1.3 kB: four or five fit the byte window, far below the count window.
     assert 3 <= report.enqueued <= 6
     assert client.status("bytes")["total"] == 50
+
+
+def test_a_task_that_names_a_channel_is_published_there_when_it_ends(settings):
+    client = Client(settings)
+    channel = KEYS.finished_channel("api-1")
+    pubsub = client.redis.pubsub()
+    pubsub.subscribe(channel)
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+    queued = client.queued(client_request := _request(), "interactive")
+    line = replace(queued, fields={**queued.fields, "notify": channel, "quota": "q"})
+    client.state.jobs.enqueue(client.tenant, [line])
+    (d,) = _start(client)
+    client.state.tasks.settle([Move(d.task_id, TaskState.SUCCEEDED, {}, d.token, "finished_at")])
+    message = pubsub.get_message(timeout=5)
+    assert message is not None and message["data"] == client_request.id
+    client.state.tasks.settle([Move(d.task_id, TaskState.SUCCEEDED, {}, d.token, "finished_at")])
+    assert pubsub.get_message(timeout=0.5) is None  # a resent settle moves nothing: once
+    pubsub.close()
+
+
+def _request() -> Any:
+    from vlmq.producers.client import as_request
+
+    return as_request(_text(0))

@@ -17,9 +17,10 @@ Sections, each side by side in one run, ``--repeats`` rounds (medians, spreads):
   wall. ``model alone`` is the upper bound: the same micro-batches collated in this process
   beforehand, only ``generate`` timed (the workers paused).
 * **simulated accelerator**: the same workloads through ``--engine simulated`` workers
-  (real media and processor work, ``generate`` a sleep of 15 ms + 4 ms per decode step per
-  micro-batch: an H200-like 2-3B model), pipeline off, on with 1 and with 2 preprocessing
-  workers; the model-busy fraction shows whether preprocessing keeps up.
+  (real media and processor work, ``generate`` a sleep of 5 ms per micro-batch + 20 us per
+  prompt token, visual tokens included, + 4 ms per decode step: an H200-like 2-3B model),
+  pipeline off, on with 1 and with 2 preprocessing workers; the model-busy fraction shows
+  whether preprocessing keeps up.
 * **processor**: the torchvision (fast) vs the pil (slow) image processor on 16 photos:
   collate seconds, how far their pixel values differ, whether greedy tokens change.
 * **decode**: 16 sampled frames of a 20 s and a 60 s clip: in order vs seeking, frame vs
@@ -59,7 +60,10 @@ BASELINE = "5952f69"
 MARKER = "pipeline"
 NEW_TOKENS = 16
 BATCH = {"image": 16, "video": 8}
-SIMULATE = "0.015,0.004"
+# 5 ms per micro-batch + 4 ms per decode step + 20 us per prompt token, visual tokens included
+# (H200-like for a 2-3B model: workers/testing/noop.py). Figures before prompt tokens were
+# charged used "0.015,0.004" (no per-token cost: video prefill was free).
+SIMULATE = "0.005,0.004,0.00002"
 
 
 # --- workloads -----------------------------------------------------------------------------
@@ -583,8 +587,9 @@ def _fleet_lines(report: Report, loads: list[Workload]) -> list[str]:
 
 def _simulated_lines(report: Report, loads: list[Workload]) -> list[str]:
     lines = [
-        f"Simulated accelerator (`--engine simulated --simulate {SIMULATE}`: 15 ms per "
-        "micro-batch + 4 ms per decode step, sleeping; real media and processor work):",
+        f"Simulated accelerator (`--engine simulated --simulate {SIMULATE}`: 5 ms per "
+        "micro-batch + 4 ms per decode step + 20 us per prompt token, visual tokens included, "
+        "sleeping; real media and processor work):",
         "",
         "| workload | variant | req/s (median) | wall s (spread) | accelerator busy |",
         "| --- | --- | ---: | --- | ---: |",

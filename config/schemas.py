@@ -7,7 +7,7 @@ one canonical form, so workers see a single shape:
 
     {"type": "text",  "text": "..."}
     {"type": "image", "source": "<path | file:// | http(s):// | s3:// | data:>"}
-    {"type": "video", "source": "...", "fps": 2.0, "max_frames": 16}
+    {"type": "video", "source": "...", "fps": 2.0, "max_frames": 16, "video_sampling": "exact"}
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ class VideoPart(_Part):
     source: str = Field(min_length=1)
     fps: float | None = Field(None, gt=0, le=60)
     max_frames: int | None = Field(None, ge=2, le=4096)
+    # exact: the frame on screen at each sample time; keyframes: the keyframe nearest each
+    # sample time (cheaper, timestamps off by up to half a GOP); None: the worker's setting.
+    video_sampling: Literal["exact", "keyframes"] | None = None
 
 
 Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
@@ -113,7 +116,7 @@ def normalise_part(raw: Any) -> dict[str, Any]:
         return {"type": "image", "source": _source_of(raw, "image")}
     if kind in ("video", "video_url", "input_video"):
         part: dict[str, Any] = {"type": "video", "source": _source_of(raw, "video")}
-        for key in ("fps", "max_frames"):
+        for key in ("fps", "max_frames", "video_sampling"):
             if raw.get(key) is not None:
                 part[key] = raw[key]
         return part

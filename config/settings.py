@@ -16,6 +16,7 @@ __all__ = [
     "EngineSettings",
     "FaultInjection",
     "FleetSettings",
+    "FrameStoreSettings",
     "MediaSettings",
     "MetricsSettings",
     "Settings",
@@ -27,6 +28,30 @@ __all__ = [
 ]
 
 MiB = 1024 * 1024
+
+
+class FrameStoreSettings(BaseModel):
+    """The fleet-wide store of prepared media (decoded, sampled, resized to the processor's
+    target), content-addressed in the object store: a clip or photo prepared once is read
+    back by every worker instead of fetched and decoded again (docs/design.md, frame store)."""
+
+    # Look prepared media up before fetching and decoding, and store what was decoded.
+    enabled: bool = True
+    # Where: s3://bucket/prefix or file:///dir; empty: {results_url}/frames.
+    url: str = ""
+    # Which media go through it. Video only by default: a 720p clip costs ~1.2 s of decoding
+    # against milliseconds to read back; a downscaled photo ~15 ms, about one store round trip
+    # (measured: bench/README.md, frame store).
+    kinds: list[str] = Field(default_factory=lambda: ["video"])
+    # How frames are written (lossless; any worker reads any of them): auto (zstd where the
+    # zstandard package is installed, else zlib), zstd (raw uint8 + zstd 3: measured fastest
+    # and smallest by far), zlib (raw uint8 + zlib 1), png or webp (lossless).
+    codec: str = Field("auto", pattern="^(auto|zstd|zlib|png|webp)$")
+    # Keys are per tenant; on: one tenant's prepared media serve another's request for the
+    # same bytes (saves the decode, and tells a tenant whether another holds that media).
+    share_across_tenants: bool = False
+    # A stored object larger than this is neither written nor read.
+    max_object_bytes: int = Field(256 * MiB, ge=1024)
 
 
 class MediaSettings(BaseModel):
@@ -97,6 +122,19 @@ class MediaSettings(BaseModel):
     # Decoded media and per-media processor outputs kept per worker (content-addressed, LRU),
     # so a job asking several questions about one image or clip processes it once. 0: off.
     cache_bytes: int = Field(1024 * MiB, ge=0)
+    # How video frames are sampled unless a request says (its video_sampling): exact (the
+    # frame on screen at each sample time) or keyframes (the keyframe nearest each sample
+    # time: one frame decoded per sample; timestamps off by up to half a GOP).
+    video_sampling: str = Field("exact", pattern="^(exact|keyframes)$")
+    # Decode on the model's GPU: cuda (JPEG images through nvJPEG whenever CUDA is there), auto
+    # (per item by rule: workers/media/device.py) or cpu (the reference; bit-exact). Device
+    # decode is not bit-exact and is unmeasured here (no GPU), so it is opt-in.
+    device_decode: str = Field("cpu", pattern="^(auto|cpu|cuda)$")
+    # auto's video rule: CUDA decoding only for frames at least this tall and samples at least
+    # this dense (per second of video); below, CPU decoding measured faster (540p; sparse seeks).
+    device_video_min_height: int = Field(720, ge=1)
+    device_video_min_samples_per_s: float = Field(1.0, ge=0)
+    frame_store: FrameStoreSettings = Field(default_factory=FrameStoreSettings)
     # Testing only: let http(s) fetches reach loopback/private/link-local
     # addresses (a local test server). Never enable in production: it turns the
     # host allowlist into the only SSRF guard.

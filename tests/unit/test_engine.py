@@ -256,16 +256,16 @@ def test_transient_fetch_errors_are_retried_then_reported(qwen, media):
     real = engine.loader.load_image
     calls = {"flaky": 0, "down": 0}
 
-    def load_image(source, downscale=None):
+    def load_image(source, *rest):
         if "flaky" in source:
             calls["flaky"] += 1
             if calls["flaky"] < 3:
                 raise MediaFetchTransient("the media server answered 503")
-            return real(str(media / "a.png"), downscale)
+            return real(str(media / "a.png"), *rest)
         if "down" in source:
             calls["down"] += 1
             raise MediaFetchTransient("the media server answered 503")
-        return real(source, downscale)
+        return real(source, *rest)
 
     engine.loader.load_image = load_image
     results = engine.run(

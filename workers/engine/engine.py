@@ -123,10 +123,11 @@ class Engine(OneSlot):
         return self.loaded
 
     # the steps -------------------------------------------------------------
-    def prepare(self, request: Request) -> Prepared:
-        """Fetch, decode, check and estimate one request (any thread); never raises."""
+    def prepare(self, request: Request, tenant: str | None = None) -> Prepared:
+        """Fetch, decode, check and estimate one request (any thread); never raises.
+        ``tenant`` keys the frame store (``media.frame_store``)."""
         self._ready()
-        return self._preparer.prepare(request)
+        return self._preparer.prepare(request, tenant)
 
     def plan(
         self, prepared: Sequence[Prepared], token_budget: int | None = None

@@ -27,7 +27,8 @@ from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.estimate import estimate_prompt_tokens
 from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.processors import ProcessorSet
-from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, image_bytes
+from vlmq.workers.media import DecodedVideo, Downscale, ImageDecoder, MediaLoader, image_bytes
+from vlmq.workers.media.device import device_image_decoder
 
 if TYPE_CHECKING:
     from vlmq.workers.engine.constraints import GrammarBook
@@ -158,22 +159,25 @@ class Preparer:
         self.image_target, self.video_target = (
             targets if media.downscale_at_decode else (None, None)
         )
+        # nvJPEG on the model's GPU when media.device_decode allows it; None: the CPU path.
+        self.image_decoder: ImageDecoder | None = device_image_decoder(media, loaded.device)
 
     def prepare_all(self, requests: list[Request]) -> list[Prepared]:
         futures = [self.pool.submit(self.prepare, request) for request in requests]
         return [f.result() for f in futures]
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(self, request: Request, tenant: str | None = None) -> Prepared:
+        """``tenant`` keys the frame store (without one it is used only when tenants share)."""
         prepared = Prepared(request, self._max_new_tokens(request))
         started = time.perf_counter()
-        hits = self.loader.thread_hits()
+        before = self.loader.thread_counts()
         try:
             self._check_media_counts(request)
             self._check_max_new_tokens(prepared.max_new_tokens)
             self._check_min_tokens(request, prepared.max_new_tokens)
             self._check_text(request)
             prepared.constraint = self._compile(request)
-            prepared.conversation, sizes = self._decode(request)
+            prepared.conversation, sizes = self._decode(request, tenant)
             prepared.media_bytes = _media_bytes(prepared.conversation)
             prepared.prompt_tokens = self._estimate(prepared.conversation, *sizes)
             self._check_context(prepared)
@@ -186,7 +190,11 @@ class Preparer:
             prepared.error = VlmqError("could not prepare this request")
         prepared.timings["prepare_s"] = round(time.perf_counter() - started, 4)
         if request.parts("image") or request.parts("video"):
-            prepared.timings["media_cache_hits"] = self.loader.thread_hits() - hits
+            after = self.loader.thread_counts()
+            prepared.timings["media_cache_hits"] = after.cache_hits - before.cache_hits
+            if self.loader.frames is not None:
+                prepared.timings["frame_store_hits"] = after.store_hits - before.store_hits
+                prepared.timings["media_decodes"] = after.decodes - before.decodes
         return prepared
 
     def _max_new_tokens(self, request: Request) -> int:
@@ -256,19 +264,25 @@ class Preparer:
             )
 
     def _decode(
-        self, request: Request
+        self, request: Request, tenant: str | None = None
     ) -> tuple[list[dict[str, Any]], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]]:
         image_sizes: list[tuple[int, int]] = []
         video_sizes: list[tuple[int, int, int]] = []
         conversation = []
-        videos = self._load_videos(request)
+        videos = self._load_videos(request, tenant)
         for message in request.messages:
             content: list[dict[str, Any]] = []
             for part in message.content:
                 if isinstance(part, TextPart):
                     content.append({"type": "text", "text": part.text})
                 elif isinstance(part, ImagePart):
-                    load = partial(self.loader.load_image, part.source, self.image_target)
+                    load = partial(
+                        self.loader.load_image,
+                        part.source,
+                        self.image_target,
+                        tenant,
+                        self.image_decoder,
+                    )
                     image = self._with_retry(load)
                     image_sizes.append((image.height, image.width))
                     content.append({"type": "image", "image": image})
@@ -291,7 +305,7 @@ class Preparer:
                 delay *= 2
         return load()
 
-    def _load_videos(self, request: Request) -> list[DecodedVideo]:
+    def _load_videos(self, request: Request, tenant: str | None = None) -> list[DecodedVideo]:
         videos = [
             self._with_retry(
                 partial(
@@ -300,6 +314,8 @@ class Preparer:
                     part.fps,
                     part.max_frames,
                     self.video_target,
+                    part.video_sampling,
+                    tenant,
                 )
             )
             for part in request.parts("video")

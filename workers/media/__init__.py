@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TypeVar, cast
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple, Protocol, TypeVar, cast
 
 from PIL import Image
 
@@ -27,12 +29,16 @@ from vlmq.workers.media.cache import MediaCache, Versions, content_key, version_
 from vlmq.workers.media.decode import (
     DecodedVideo,
     Downscale,
+    Sampling,
     check_image_pixels,
     decode_image,
     decode_video,
+    resolve_sampling,
     to_rgb,
 )
 from vlmq.workers.media.fetch import MediaFetcher, MediaKind
+from vlmq.workers.media.framecodec import PreparedMedia
+from vlmq.workers.media.framestore import FrameScope, FrameStore, content_id
 from vlmq.workers.media.netpolicy import Resolver
 from vlmq.workers.media.s3_fetch import S3ClientFactory
 
@@ -41,6 +47,9 @@ T = TypeVar("T")
 __all__ = [
     "DecodedVideo",
     "Downscale",
+    "FrameStore",
+    "ImageDecoder",
+    "LoadCounts",
     "MediaCache",
     "MediaFetcher",
     "MediaKind",
@@ -52,6 +61,22 @@ __all__ = [
 ]
 
 
+class LoadCounts(NamedTuple):
+    cache_hits: int
+    store_hits: int
+    decodes: int
+
+
+class ImageDecoder(Protocol):
+    """A replacement image decoder (a device one): same call and result as ``decode_image``."""
+
+    name: str
+
+    def decode(
+        self, data: bytes, settings: MediaSettings, downscale: Downscale | None
+    ) -> Image.Image: ...
+
+
 def image_bytes(image: Image.Image) -> int:
     return image.width * image.height * len(image.getbands())
 
@@ -60,8 +85,20 @@ def video_bytes(video: DecodedVideo) -> int:
     return sum(image_bytes(frame) for frame in video.frames)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What a load makes of its source beyond the bytes: the frame store's key parts."""
+
+    sampling: Sampling | None  # None: an image
+    resize: Downscale | None
+    tenant: str | None
+    decoder: str = "cpu"
+
+
 class MediaLoader:
-    """Fetch + decode with one set of limits; safe to share between threads."""
+    """Fetch + decode with one set of limits; safe to share between threads. With a
+    :class:`FrameStore` (``frames``), prepared media is looked up fleet-wide before it is
+    fetched or decoded, and stored once decoded (docs/design.md, frame store)."""
 
     def __init__(
         self,
@@ -69,17 +106,29 @@ class MediaLoader:
         s3_client_factory: S3ClientFactory | None = None,
         resolver: Resolver | None = None,
         cache: MediaCache | None = None,
+        frames: FrameStore | None = None,
+        staging: str | None = None,
     ) -> None:
         self.settings = settings
         self.fetcher = MediaFetcher(settings, s3_client_factory, resolver)
         self.cache = cache if cache is not None else MediaCache(settings.cache_bytes)
         self.versions = Versions()
+        self.frames = frames
+        self.staging = staging  # the staging URL: staged sources are named by their digest
         self._local = threading.local()
 
     def thread_hits(self) -> int:
         """Cache hits of loads made on this thread so far (a request's share of them is
         the difference around its loads: its ``timings.media_cache_hits``)."""
         return int(getattr(self._local, "hits", 0))
+
+    def thread_counts(self) -> LoadCounts:
+        """This thread's loads so far: cache hits, frame store hits, decodes."""
+        return LoadCounts(
+            self.thread_hits(),
+            int(getattr(self._local, "store_hits", 0)),
+            int(getattr(self._local, "decodes", 0)),
+        )
 
     def _cached(self, key: str, compute: Callable[[], T], size_of: Callable[[T], int]) -> T:
         value, hit = self.cache.get_or_compute(key, compute, size_of)
@@ -89,22 +138,34 @@ class MediaLoader:
     def _count_hits(self, hits: int) -> None:
         self._local.hits = self.thread_hits() + hits
 
+    def _count(self, name: str) -> None:
+        setattr(self._local, name, int(getattr(self._local, name, 0)) + 1)
+
     def load_image(
-        self, source: str | Image.Image, downscale: Downscale | None = None
+        self,
+        source: str | Image.Image,
+        downscale: Downscale | None = None,
+        tenant: str | None = None,
+        decoder: ImageDecoder | None = None,
     ) -> Image.Image:
-        """An RGB image from a source string, or an in-process PIL image."""
+        """An RGB image from a source string, or an in-process PIL image. ``decoder`` (a
+        device decoder) replaces the CPU one; its pixels are keyed apart."""
         if isinstance(source, Image.Image):
             # Already decoded by a trusted caller; the pixel limit still holds.
             check_image_pixels(source.size, self.settings)
             return to_rgb(source)
         _require_str(source)
-        return self._load(
+        name = decoder.name if decoder is not None else "cpu"
+        decode = decoder.decode if decoder is not None else decode_image
+        image: Image.Image = self._load(
             source,
             "image",
-            lambda data: decode_image(data, self.settings, downscale),
+            lambda data: decode(data, self.settings, downscale),
             image_bytes,
-            downscale,
+            _Prepared(None, downscale, tenant, name),
+            *((downscale,) if name == "cpu" else (downscale, name)),
         )
+        return image
 
     def load_video(
         self,
@@ -112,19 +173,23 @@ class MediaLoader:
         fps: float | None = None,
         max_frames: int | None = None,
         downscale: Downscale | None = None,
+        sampling: str | None = None,
+        tenant: str | None = None,
     ) -> DecodedVideo:
         """Frames sampled at ``fps`` (default ``settings.video_fps``), at most
-        ``max_frames`` (never more than ``settings.video_max_frames``)."""
+        ``max_frames`` (never more than ``settings.video_max_frames``), ``sampling`` exact or
+        keyframes (default ``settings.video_sampling``)."""
         _require_str(source)
-        return self._load(
+        plan = resolve_sampling(self.settings, fps, max_frames, sampling)
+        video: DecodedVideo = self._load(
             source,
             "video",
-            lambda data: decode_video(data, self.settings, fps, max_frames, downscale),
+            lambda data: decode_video(data, self.settings, fps, max_frames, downscale, sampling),
             video_bytes,
-            fps,
-            max_frames,
-            downscale,
+            _Prepared(plan, downscale, tenant),
+            *((fps, max_frames, downscale) if plan.mode == "exact" else (plan, downscale)),
         )
+        return video
 
     def _load(
         self,
@@ -132,10 +197,24 @@ class MediaLoader:
         kind: MediaKind,
         decode: Callable[[bytes], T],
         size_of: Callable[[T], int],
+        prepared: _Prepared,
         *params: object,
     ) -> T:
         """Fetch and decode through the cache: a remote source whose version tag is still
-        current is served from it without a download; anything else by its bytes' hash."""
+        current is served from it without a download; anything else by its bytes' hash.
+        With the frame store: a source named without its bytes (staged, S3) is looked up
+        before any download; any other once its bytes are in hand."""
+        scope = self._frame_scope(kind, prepared.tenant)
+        if scope is not None:
+            content = scope.id_before_fetch(source)
+            if content is not None:
+                key = self._frame_key(scope, content, prepared)
+                # The worker's own cache stays shared by tenants, as for any other source;
+                # only the fleet-wide store is kept per tenant.
+                held = content_key(content.encode(), "named", kind, *params)
+                return self._cached(
+                    held, lambda: self._stored(scope, key, kind, decode, source), size_of
+                )
         caching = self.cache.budget_bytes > 0
         known = self.versions.get(source) if caching else None
         data, tag = self.fetcher.fetch_versioned(source, kind, known)
@@ -154,7 +233,51 @@ class MediaLoader:
             if caching:
                 self.versions.put(source, tag)
         body = data
-        return self._cached(key, lambda: decode(body), size_of)
+        compute = partial(self._decoded, decode, body)
+        if scope is not None:
+            stored_key = self._frame_key(scope, content_id(source, body), prepared)
+            compute = partial(self._stored, scope, stored_key, kind, decode, source, body)
+        return self._cached(key, compute, size_of)
+
+    def _frame_scope(self, kind: MediaKind, tenant: str | None) -> FrameScope | None:
+        """The frame store for this load, or None: off, not for this kind, or no tenant to
+        key it by (and tenants do not share)."""
+        store = self.frames
+        if store is None or kind not in store.settings.kinds:
+            return None
+        if tenant is None and not store.settings.share_across_tenants:
+            return None
+        return FrameScope(store, tenant, self.staging, partial(self.fetcher.s3_identity, kind=kind))
+
+    def _frame_key(self, scope: FrameScope, content: str | None, prepared: _Prepared) -> str:
+        assert content is not None  # bytes in hand always have an id
+        return scope.key(content, prepared.sampling, prepared.resize, prepared.decoder)
+
+    def _decoded(self, decode: Callable[[bytes], T], data: bytes) -> T:
+        self._count("decodes")
+        return decode(data)
+
+    def _stored(
+        self,
+        scope: FrameScope,
+        key: str,
+        kind: MediaKind,
+        decode: Callable[[bytes], T],
+        source: str,
+        data: bytes | None = None,
+    ) -> T:
+        """The prepared media from the frame store, or fetched (unless in hand), decoded and
+        stored there."""
+        held = scope.store.get(key)
+        if held is not None and isinstance(held, Image.Image) == (kind == "image"):
+            self._count("store_hits")
+            return cast(T, held)
+        if data is None:
+            data = self.fetcher.fetch(source, kind)
+        media = self._decoded(decode, data)
+        if scope.storable(source, data):
+            scope.store.put(key, cast(PreparedMedia, media))
+        return media
 
 
 def _require_str(source: object) -> None:

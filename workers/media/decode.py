@@ -9,12 +9,13 @@ a heap address through a Pillow error message), so each becomes a
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 import av
 from PIL import Image, ImageOps
@@ -30,13 +31,22 @@ from vlmq.config.settings import MediaSettings
 from vlmq.config.vision import downscaled_size, sampled_frame_count
 
 __all__ = [
+    "SAMPLING_MODES",
     "DecodedVideo",
     "Downscale",
+    "Sampling",
+    "SamplingMode",
     "decode_image",
     "decode_video",
     "plan_sample_times",
+    "resolve_sampling",
     "to_rgb",
 ]
+
+# exact: the frame on screen at each sample time (the reference); keyframes: the keyframe
+# nearest each sample time, one frame decoded per sample (opt-in, cheaper, not exact).
+SamplingMode = Literal["exact", "keyframes"]
+SAMPLING_MODES: tuple[SamplingMode, ...] = ("exact", "keyframes")
 
 _IMAGE_FAILED = "could not decode image"
 _VIDEO_FAILED = "could not decode video"
@@ -154,43 +164,58 @@ class _Picked:
     index: int
 
 
-def decode_video(
-    data: bytes,
+@dataclass(frozen=True)
+class Sampling:
+    """How frames are taken from a video, every default resolved: what changes the sampled
+    pixels (the frame store's and the media cache's keys hold it)."""
+
+    fps: float
+    max_frames: int
+    mode: SamplingMode = "exact"
+
+
+def resolve_sampling(
     settings: MediaSettings,
     fps: float | None = None,
     max_frames: int | None = None,
-    downscale: Downscale | None = None,
-) -> DecodedVideo:
-    """Sample frames evenly over the video at ``fps`` (capped by ``max_frames``
-    and ``settings.video_max_frames``), decoding as few frames as possible; each sampled
-    frame is downscaled (``downscale``) in the same pass that converts it to RGB."""
-    target_fps, frame_cap = _sampling_request(settings, fps, max_frames)
-    try:
-        return _decode_video(data, settings, target_fps, frame_cap, downscale)
-    except VlmqError:
-        raise
-    except Exception:  # av.FFmpegError, and ValueError/OSError/MemoryError from PyAV
-        raise MediaDecodeFailed(_VIDEO_FAILED) from None
-
-
-def _sampling_request(
-    settings: MediaSettings, fps: float | None, max_frames: int | None
-) -> tuple[float, int]:
+    mode: str | None = None,
+) -> Sampling:
+    """A request's sampling with the settings' defaults and caps applied, or InvalidRequest."""
     target_fps = settings.video_fps if fps is None else fps
     if not (isinstance(target_fps, (int, float)) and math.isfinite(target_fps)) or target_fps <= 0:
         raise InvalidRequest("video fps must be a positive number", field="fps")
     cap = settings.video_max_frames if max_frames is None else max_frames
     if not isinstance(cap, int) or cap < 1:
         raise InvalidRequest("max_frames must be a positive integer", field="max_frames")
-    return float(target_fps), min(cap, settings.video_max_frames)
+    chosen = settings.video_sampling if mode is None else mode
+    if chosen not in SAMPLING_MODES:
+        raise InvalidRequest("must be 'exact' or 'keyframes'", field="video_sampling")
+    return Sampling(float(target_fps), min(cap, settings.video_max_frames), chosen)
+
+
+def decode_video(
+    data: bytes,
+    settings: MediaSettings,
+    fps: float | None = None,
+    max_frames: int | None = None,
+    downscale: Downscale | None = None,
+    sampling: str | None = None,
+) -> DecodedVideo:
+    """Sample frames evenly over the video at ``fps`` (capped by ``max_frames``
+    and ``settings.video_max_frames``), decoding as few frames as possible; each sampled
+    frame is downscaled (``downscale``) in the same pass that converts it to RGB.
+    ``sampling`` (default ``settings.video_sampling``): ``exact`` or ``keyframes``."""
+    plan = resolve_sampling(settings, fps, max_frames, sampling)
+    try:
+        return _decode_video(data, settings, plan, downscale)
+    except VlmqError:
+        raise
+    except Exception:  # av.FFmpegError, and ValueError/OSError/MemoryError from PyAV
+        raise MediaDecodeFailed(_VIDEO_FAILED) from None
 
 
 def _decode_video(
-    data: bytes,
-    settings: MediaSettings,
-    target_fps: float,
-    frame_cap: int,
-    downscale: Downscale | None,
+    data: bytes, settings: MediaSettings, plan: Sampling, downscale: Downscale | None
 ) -> DecodedVideo:
     with open_video_container(io.BytesIO(data), settings) as container:
         stream = _video_stream(container)
@@ -198,11 +223,14 @@ def _decode_video(
         probe = _probe(container, stream) or _probe_by_demuxing(data, settings)
     _check_duration(probe, settings)
     times = plan_sample_times(
-        probe.duration_s, probe.fps, probe.total_frames, target_fps, frame_cap
+        probe.duration_s, probe.fps, probe.total_frames, plan.fps, plan.max_frames
     )
     budget = _DecodeBudget(settings.video_max_decoded_frames)
-    picked = _sample(data, settings, probe, times, budget, downscale)
-    picked = _even_count(picked)
+    picked = None
+    if plan.mode == "keyframes":
+        picked = _sample_keyframes(data, settings, probe, times, budget, downscale)
+    if picked is None:  # exact, or no keyframe could be located: the exact sampler
+        picked = _even_count(_sample(data, settings, probe, times, budget, downscale))
     if not picked:
         raise MediaDecodeFailed("video has no decodable frames")
     width, height = picked[0].image.size
@@ -478,6 +506,90 @@ def _sample_frames(
                 break
             picked.append(_Picked(_frame_to_image(decoded.frame, downscale), decoded.index))
     return picked
+
+
+# --- keyframe sampling (opt-in) --------------------------------------------------------------
+
+
+def _sample_keyframes(
+    data: bytes,
+    settings: MediaSettings,
+    probe: _Probe,
+    times: list[float],
+    budget: _DecodeBudget,
+    downscale: Downscale | None,
+) -> list[_Picked] | None:
+    """Each sample time served by the keyframe nearest it: the keyframes' times come from
+    demuxing (no decoding), then each distinct keyframe chosen is decoded alone (a seek to
+    it, non-key frames discarded by the decoder), so a sample costs one frame whatever the
+    GOP. Samples that share a nearest keyframe share its frame (and its index: the metadata
+    tells the processor where each frame really is). None when the stream has no keyframe
+    with a timestamp or will not seek to one: the exact sampler is used instead."""
+    with open_video_container(io.BytesIO(data), settings) as container:
+        stream = _video_stream(container, settings.video_thread_type)
+        ctx = _StreamContext(stream, settings, probe, budget, sequential=False)
+        keyframes = _keyframe_times(container, stream, ctx, times[-1])
+        if not keyframes:
+            return None
+        chosen = [_nearest(keyframes, t) for t in times]
+        decoded: dict[float, _Picked] = {}
+        for seconds in chosen:
+            if seconds not in decoded:
+                picked = _decode_keyframe(container, ctx, seconds, downscale)
+                if picked is None:
+                    return None
+                decoded[seconds] = picked
+    return [decoded[seconds] for seconds in chosen]
+
+
+def _keyframe_times(container: Any, stream: Any, ctx: _StreamContext, last: float) -> list[float]:
+    """Sorted times of the keyframes up to the first one at or past ``last``, from packet
+    flags alone (demuxing reads, never decodes)."""
+    times: list[float] = []
+    for packet in container.demux(stream):
+        if packet.pts is None or packet.size == 0 or not packet.is_keyframe:
+            continue
+        seconds = float((packet.pts - ctx.start_pts) * ctx.time_base)
+        if seconds > ctx.settings.video_max_duration_s:
+            raise MediaTooLarge("video is too long")
+        times.append(seconds)
+        if seconds >= last:
+            break
+    return sorted(set(times))
+
+
+def _nearest(keyframes: list[float], t: float) -> float:
+    """The keyframe time closest to ``t`` (the earlier one on a tie)."""
+    after = bisect.bisect_left(keyframes, t)
+    candidates = keyframes[max(0, after - 1) : after + 1]
+    return min(candidates, key=lambda k: (abs(k - t), k))
+
+
+def _decode_keyframe(
+    container: Any, ctx: _StreamContext, seconds: float, downscale: Downscale | None
+) -> _Picked | None:
+    """The keyframe at ``seconds`` alone: seek to it, demux to its packet (a seek that lands
+    on an earlier keyframe skips it unread), decode that packet and drain the decoder. Fed on
+    through ``container.decode``, a decoder that reorders holds the frame back until the
+    next keyframe is decoded too: measured 3x the cost of one keyframe."""
+    try:
+        container.seek(ctx.pts_of(seconds), stream=ctx.stream, backward=True)
+    except av.FFmpegError:
+        return None
+    target = ctx.pts_of(seconds - _EPSILON_S)
+    codec = ctx.stream.codec_context
+    for packet in container.demux(ctx.stream):
+        if packet.pts is None or not packet.is_keyframe or packet.pts < target:
+            continue
+        frames = [*codec.decode(packet), *codec.decode(None)]  # None drains: no wait
+        if not frames:
+            return None
+        try:
+            found = ctx.describe(frames[0], 0)
+        except _SeekUnusable:
+            return None
+        return _Picked(_frame_to_image(found.frame, downscale), found.index)
+    return None
 
 
 def _must_seek(ctx: _StreamContext, position: float | None, t: float) -> bool:

@@ -82,6 +82,14 @@ class MediaFetcher:
             return self._read_local(source, cap), None
         raise InvalidRequest("unsupported media source scheme")
 
+    def s3_identity(self, source: str, kind: MediaKind = "video") -> tuple[str, int]:
+        """(ETag, size) of an ``s3://`` source from a HEAD, within the kind's size cap and
+        deadline; nothing downloaded."""
+        if _scheme_of(source) != "s3":
+            raise InvalidRequest("not an s3:// media source")
+        cap, deadline = self._limits(kind)
+        return self._s3.identity(source, cap, deadline)
+
     def _limits(self, kind: str) -> tuple[int, Deadline]:
         """The byte cap, and a deadline that starts now and covers every step."""
         s = self._settings

@@ -16,6 +16,7 @@ from typing import Any
 from vlmq.config.settings import MediaSettings, Settings
 from vlmq.config.staging import file_url_folder, staging_url
 from vlmq.workers.media import MediaLoader
+from vlmq.workers.media.framestore import open_frame_store
 
 __all__ = ["fleet_loader", "fleet_media_settings", "fleet_s3_client"]
 
@@ -47,6 +48,13 @@ def fleet_s3_client(endpoint_url: str | None, region: str) -> Any:
 
 def fleet_loader(settings: Settings) -> MediaLoader:
     """The loader of a ``vlmq worker``: the fleet's allowlist, S3 on the fleet's endpoint
-    (built on the first s3:// fetch)."""
+    (built on the first s3:// fetch), and the fleet's frame store (prepared media shared by
+    every worker; ``media.frame_store``)."""
     factory = partial(fleet_s3_client, settings.s3_endpoint_url, settings.s3_region)
-    return MediaLoader(fleet_media_settings(settings), s3_client_factory=factory)
+    media = fleet_media_settings(settings)
+    frames = open_frame_store(
+        media, settings.results_url, settings.s3_endpoint_url, settings.s3_region
+    )
+    return MediaLoader(
+        media, s3_client_factory=factory, frames=frames, staging=staging_url(settings)
+    )

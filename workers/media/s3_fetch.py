@@ -107,6 +107,27 @@ class S3Fetcher:
         finally:
             cancelled.set()  # a download thread past the deadline stops at its next chunk
 
+    def identity(self, url: str, cap: int, deadline: Deadline) -> tuple[str, int]:
+        """(ETag, size) of an allowed object from a HEAD, nothing downloaded: how the frame
+        store names an S3 source before fetching it."""
+        bucket, key = parse_s3_url(url)
+        if not is_allowed(bucket, key, self._settings):
+            raise MediaForbidden("media bucket is not allowed")
+        client = self._get_client()
+        try:
+            head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
+        except VlmqError:
+            raise
+        except ClientError as exc:
+            raise _client_error(exc) from None
+        except BotoCoreError:
+            raise MediaFetchTransient("object store is unreachable") from None
+        _check_head_size(head, cap)
+        etag = head.get("ETag")
+        if not isinstance(etag, str) or not etag:
+            raise MediaFetchFailed("object store returned no ETag")
+        return etag, int(head["ContentLength"])
+
     def _get_client(self) -> Any:
         if self._factory is None:
             raise MediaForbidden("s3 media sources are not enabled")

@@ -36,6 +36,15 @@ class Keys:
             return self.job_queue(modality, job_id)
         return self.queue(modality, lane)
 
+    # The suffix of a prepared list (config/lua/intake.lua tells them by it).
+    PREPARED_SUFFIX = ".prepared"
+
+    def prepared_queue(self, modality: str, lane: str = "bulk") -> str:
+        """A lane's prepared list: tasks whose media a prepare worker fetched, decoded and
+        stored in the frame store, handed on to the GPU workers (no priority steps: the
+        order was decided when they were first pulled). Never a Celery queue."""
+        return f"{self.queue(modality, lane)}{self.PREPARED_SUFFIX}"
+
     def control_queue(self) -> str:
         """The Celery queue a worker's own Celery consumer listens on (``vlmq.ping``)."""
         return f"{self.prefix}.control"

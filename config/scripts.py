@@ -58,6 +58,7 @@ ALLOW_OOM = frozenset(
         "ack",
         "give_back",
         "reap",
+        "hand_on",
         "renew",
         "renew_event",
         "return_events",

@@ -200,11 +200,19 @@ def worker_engine(
 
 @click.command("worker")
 @click.option(
+    "--role",
+    type=click.Choice(["gpu", "prepare"]),
+    default="gpu",
+    show_default=True,
+    help="gpu: serve a model; prepare: no model, fetch and decode the media of image and "
+    "video tasks into the frame store and hand them on to the GPU workers (the prepare tier).",
+)
+@click.option(
     "--modality",
     "-m",
-    default="text,image,video",
-    show_default=True,
-    help="Modality classes to serve: text, image, video or a comma list.",
+    default=None,
+    help="Modality classes to serve: text, image, video or a comma list "
+    "[default: text,image,video; image,video with --role prepare].",
 )
 @click.option("--model", default=None, help="Model directory or Hugging Face id [VLMQ_MODEL].")
 @click.option("--name", default=None, help="Worker name (default modality@host:pid).")
@@ -232,7 +240,8 @@ def worker_engine(
     help="Host the loop in a Celery worker (solo pool, events, remote control).",
 )
 def worker(
-    modality: str,
+    role: str,
+    modality: str | None,
     model: str | None,
     name: str | None,
     engine_kind: str | None,
@@ -246,14 +255,40 @@ def worker(
     settings = Settings()
     if model:
         settings = settings.model_copy(update={"model": model})
+    modality = modality or ("image,video" if role == "prepare" else "text,image,video")
     modalities = [m.strip() for m in modality.split(",") if m.strip()]
     unknown = set(modalities) - {"text", "image", "video"}
     if unknown or not modalities:
         raise click.BadParameter(f"unknown modality {sorted(unknown)}", param_hint="--modality")
+    if role == "prepare":
+        _serve_prepare(settings, modalities, name, engine_kind, celery)
+        return
     kind = engine_kind or settings.engine.backend
     service = WorkerService(
         settings, modalities, worker_engine(kind, settings, noop_delay, simulate), name=name
     ).setup()
+    serve(settings, service, celery)
+
+
+def _serve_prepare(
+    settings: Settings,
+    modalities: list[str],
+    name: str | None,
+    engine_kind: str | None,
+    celery: bool,
+) -> None:
+    """``vlmq worker --role prepare``: no model, no torch."""
+    from vlmq.config.errors import ConfigError
+    from vlmq.workers.fleet.service import WorkerService
+
+    if "text" in modalities:
+        raise click.BadParameter("text tasks have no media to prepare", param_hint="--modality")
+    if engine_kind is not None:
+        raise click.BadParameter("a prepare worker runs no engine", param_hint="--engine")
+    try:
+        service = WorkerService(settings, modalities, None, name=name, role="prepare").setup()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     serve(settings, service, celery)
 
 

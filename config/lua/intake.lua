@@ -29,8 +29,10 @@ local function activate(list, active, n, depth)
   redis.call('HINCRBY', depth, class, n)
 end
 
--- Put a held message back at the head of its queue (RPUSH: the next one popped).
-local function requeue(id)
+-- Put a held message back at the head of its queue (RPUSH: the next one popped). A prepare
+-- worker's holding ends with it: the task is no longer 'preparing' (`prefix`: the task key
+-- prefix). A prepared message goes back to its prepared list and stays 'prepared'.
+local function requeue(id, prefix)
   local raw = redis.call('HGET', KEYS[1], id)
   local queue = redis.call('HGET', KEYS[3], id)
   local moved = 0
@@ -41,6 +43,9 @@ local function requeue(id)
     moved = 1
   end
   forget(id)
+  if prefix and redis.call('HGET', prefix .. id, 'stage') == 'preparing' then
+    redis.call('HDEL', prefix .. id, 'stage')
+  end
   return moved
 end
 
@@ -137,10 +142,13 @@ end
 
 -- pull: move up to N messages of one class into this worker's leases.
 -- KEYS[1..5] bookkeeping, KEYS[6] the class's active-tenants zset, KEYS[7..] its fixed lists:
--- the interactive lane (priority order), then the plain bulk queue (priority order).
--- ARGV: max count, lease seconds, task key prefix, number of interactive lists, terminal
+-- the lists drained first (a GPU worker's: the interactive lane's prepared list, the
+-- interactive lane in priority order, the bulk lane's prepared list; a prepare worker's: the
+-- interactive lane), then the plain bulk queue (priority order).
+-- ARGV: max count, lease seconds, task key prefix, number of lists drained first, terminal
 -- states (csv), task ttl seconds (a plain send_task's message gets its hash here, and the
--- hash its ttl), job-ref key prefix, job key prefix. The interactive lane is drained first;
+-- hash its ttl), job-ref key prefix, job key prefix, the stage a prepare worker's pull marks
+-- its tasks with ('' for none), the suffix of prepared lists. The first lists are drained first;
 -- the rest is shared round robin, first across tenants, then across each tenant's jobs: an
 -- equal share per member per round (one each when there are more members than room), least
 -- recently served first. The plain bulk queue (any Celery producer's messages) is one more
@@ -150,13 +158,14 @@ end
 -- bookkeeping written once per pull: the per-message cost is what caps a Redis.
 -- A copy of a task that ended (terminal, or folded), or that a live holder has, is dropped
 -- (one run per task while its holder lives; a finished task never runs again); a holder
--- whose lease ran out is fenced out by the new delivery's token. Returns {now, dropped,
--- rows}; a row is {id, raw, token, status fields (row_status)}.
+-- whose lease ran out is fenced out by the new delivery's token. A prepared list's message
+-- always had a hash when it was handed on (hand_on): one without ended meanwhile. Returns
+-- {now, dropped, rows}; a row is {id, raw, token, status fields (row_status), origin list}.
 function commands.pull()
   local t = now()
   local limit, deadline = tonumber(ARGV[2]), t + tonumber(ARGV[3])
   local prefix, terminal, ttl = ARGV[4], csv_set(ARGV[6]), tonumber(ARGV[7])
-  local refs, jobs = ARGV[8], ARGV[9]
+  local refs, jobs, stage, prepared_suffix = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
   local out, dropped, taken = {}, 0, {}
   local inflight, leases, origins, actives = {}, {}, {}, {}
   -- Pops up to n messages of one list into this holder's rows; returns how many it popped.
@@ -164,6 +173,7 @@ function commands.pull()
     local raws = redis.call('RPOP', list, n)
     if not raws then return 0 end
     if active then redis.call('HINCRBY', KEYS[5], KEYS[6], -#raws) end
+    local prepared = string.sub(list, -#prepared_suffix) == prepared_suffix
     for _, raw in ipairs(raws) do
       local id, status, tag = identify(raw, prefix)
       local key = prefix .. id
@@ -171,7 +181,7 @@ function commands.pull()
       local hashless = not status[TAG] and not status[1]
       -- A job list's task has a hash until it ends (then it is folded, or expired with its
       -- job); a fed task's likewise, on either lane.
-      local ended = hashless and (active or fed_and_ended(id, refs, jobs))
+      local ended = hashless and (active or prepared or fed_and_ended(id, refs, jobs))
       if ended or taken[id] or terminal[status[1] or ''] or (held_until and held_until > t) then
         dropped = dropped + 1
       else
@@ -193,7 +203,8 @@ function commands.pull()
           redis.call('HSET', key, 'tag', tag)
           redis.call('EXPIRE', key, ttl, 'NX')
         end
-        out[#out + 1] = {id, raw, n, row_status(key, status, n)}
+        if stage ~= '' then redis.call('HSET', key, 'stage', stage) end
+        out[#out + 1] = {id, raw, n, row_status(key, status, n), list}
       end
     end
     return #raws
@@ -279,7 +290,7 @@ replays.pull = {
       if raw then
         local n = tonumber(words[i + 1])
         local status = row_status(ARGV[4] .. id, status_of(ARGV[4], id), n)
-        rows[#rows + 1] = {id, raw, n, status}
+        rows[#rows + 1] = {id, raw, n, status, redis.call('HGET', KEYS[3], id)}
       end
     end
     return {words[1], tonumber(words[2]), rows}
@@ -328,19 +339,53 @@ end
 -- KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token pairs (only this holder's).
 function commands.give_back()
   return for_held(function(id)
-    local moved = requeue(id)
+    local moved = requeue(id, ARGV[2])
     if moved == 1 then redis.call('HINCRBY', ARGV[2] .. id, 'returns', 1) end
     return moved
   end)
 end
 
 -- reap: put back messages whose holder stopped renewing (it died) (allow-oom; safe to
--- repeat). KEYS[1..5] bookkeeping. ARGV: most to move.
+-- repeat). KEYS[1..5] bookkeeping. ARGV: most to move, task key prefix.
 function commands.reap()
   local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now(), 'LIMIT', 0, tonumber(ARGV[2]))
   local moved = 0
-  for _, id in ipairs(ids) do moved = moved + requeue(id) end
+  for _, id in ipairs(ids) do moved = moved + requeue(id, ARGV[3]) end
   return moved
+end
+
+-- hand_on: a prepare worker hands the tasks it prepared on to the GPU workers (allow-oom;
+-- safe to repeat). The message moves from this holder's leases to a prepared list, whole and
+-- unchanged: the same task, its delivery count going on (the GPU worker's pull is the next
+-- delivery and fences this holder out), its stage 'prepared'. A task that ended meanwhile
+-- (cancelled, expired by a sweep) is forgotten instead. The move counts as a return: the
+-- next delivery is not one whose holder died before starting it.
+-- KEYS[1..5] bookkeeping, KEYS[6] the prepared list. ARGV: task key prefix, terminal states
+-- (csv), then id, token pairs. Returns one word per pair: 'on' (handed on, now or by an
+-- earlier call), 'ended' (forgotten), 'lost' (this holder no longer holds it).
+function commands.hand_on()
+  local prefix, terminal, out = ARGV[2], csv_set(ARGV[3]), {}
+  for i = 4, #ARGV, 2 do
+    local id, token = ARGV[i], ARGV[i + 1]
+    local key = prefix .. id
+    local task = redis.call('HMGET', key, 'deliveries', 'state', 'stage')
+    local held = redis.call('HEXISTS', KEYS[1], id) == 1
+    if task[1] ~= token then
+      out[#out + 1] = 'lost'
+    elseif not held then
+      out[#out + 1] = task[3] == 'prepared' and 'on' or 'lost'
+    elseif terminal[task[2] or ''] then
+      forget(id)
+      out[#out + 1] = 'ended'
+    else
+      redis.call('LPUSH', KEYS[6], redis.call('HGET', KEYS[1], id))
+      forget(id)
+      redis.call('HSET', key, 'stage', 'prepared')
+      redis.call('HINCRBY', key, 'returns', 1)
+      out[#out + 1] = 'on'
+    end
+  end
+  return out
 end
 
 -- workers' records ---------------------------------------------------------------------------

@@ -60,6 +60,6 @@ class State:
         self.workers = WorkerRecords(redis, self.scripts, keys)
         self.named = NamedLeases(redis, self.scripts)
 
-    def intake(self, modality: str) -> Intake:
-        """A pull of one modality class's queues."""
-        return Intake(self.redis, self.scripts, self.keys, modality, self.ttl_s)
+    def intake(self, modality: str, role: str = "gpu") -> Intake:
+        """A pull of one modality class's queues, for a GPU or a prepare worker."""
+        return Intake(self.redis, self.scripts, self.keys, modality, self.ttl_s, role)

@@ -30,7 +30,17 @@ from vlmq.config.status import TERMINAL
 from vlmq.config.tenants import DEFAULT_TENANT
 from vlmq.config.wire import priority_lists
 
-__all__ = ["Delivery", "Intake", "Leases", "NamedLeases", "Pull", "WorkerRecords"]
+__all__ = [
+    "PREPARED_CLASSES",
+    "ROLES",
+    "Delivery",
+    "Intake",
+    "Leases",
+    "NamedLeases",
+    "Pull",
+    "WorkerRecords",
+    "first_lists",
+]
 
 # The status fields of a pulled row (lua/intake.lua row_status): six, and for a redelivery two
 # more, how its earlier deliveries ended.
@@ -51,12 +61,19 @@ _TERMINAL_CSV = ",".join(sorted(s.value for s in TERMINAL))
 
 @dataclass(frozen=True)
 class Delivery:
-    """One message taken from a queue; ``token`` is its delivery count, the fence."""
+    """One message taken from a queue; ``token`` is its delivery count, the fence;
+    ``origin`` the list it came from."""
 
     task_id: str
     raw: str
     token: int
     status: dict[str, str] = field(default_factory=dict)
+    origin: str = ""
+
+    @property
+    def prepared(self) -> bool:
+        """Handed on by a prepare worker: its media are in the frame store."""
+        return self.origin.endswith(Keys.PREPARED_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -80,18 +97,49 @@ def _pairs(held: Mapping[str, int]) -> list[Any]:
     return [x for task_id, token in held.items() for x in (task_id, token)]
 
 
+# Who pulls: a GPU worker ("gpu") takes prepared tasks first; a prepare worker ("prepare")
+# takes only raw ones, and marks them 'preparing' while it holds them.
+ROLES = ("gpu", "prepare")
+# Classes whose tasks a prepare worker can prepare (text has no media).
+PREPARED_CLASSES = ("image", "video")
+
+
+def first_lists(keys: Keys, modality: str, role: str) -> list[str]:
+    """The lists a pull drains before sharing out the bulk lane: a GPU worker's prepared
+    interactive tasks, then raw interactive ones, then prepared bulk ones (fairness across
+    tenants and jobs was applied when those were first pulled); a prepare worker's raw
+    interactive ones."""
+    interactive = priority_lists(keys.queue(modality, "interactive"))
+    if role == "prepare" or modality not in PREPARED_CLASSES:
+        return interactive
+    return [
+        keys.prepared_queue(modality, "interactive"),
+        *interactive,
+        keys.prepared_queue(modality, "bulk"),
+    ]
+
+
 class Intake:
     """Pulls one modality class's messages into this worker's leases."""
 
     def __init__(
-        self, redis: redis_py.Redis, scripts: Scripts, keys: Keys, modality: str, ttl_s: int
+        self,
+        redis: redis_py.Redis,
+        scripts: Scripts,
+        keys: Keys,
+        modality: str,
+        ttl_s: int,
+        role: str = "gpu",
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown intake role {role!r}")
         self.redis = redis
         self.scripts = scripts
         self.keys = keys
         self.modality = modality
         self.ttl_s = ttl_s
-        self.first = priority_lists(keys.queue(modality, "interactive"))
+        self.role = role
+        self.first = first_lists(keys, modality, role)
         self.lists = [*self.first, *priority_lists(keys.queue(modality, "bulk"))]
         self._job_tenants: OrderedDict[str, str] = OrderedDict()
 
@@ -101,8 +149,11 @@ class Intake:
         keys = [*self.keys.bookkeeping(), self.keys.active_tenants(self.modality), *self.lists]
         args = [limit, lease_s, self.keys.task_prefix, len(self.first), _TERMINAL_CSV]
         args += [self.ttl_s, self.keys.job_ref_prefix, self.keys.job_prefix]
+        args += ["preparing" if self.role == "prepare" else "", Keys.PREPARED_SUFFIX]
         now, dropped, rows = self.scripts("pull", keys, args)
-        deliveries = [Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3])) for r in rows]
+        deliveries = [
+            Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3]), str(r[4] or "")) for r in rows
+        ]
         self._with_tenants(deliveries)
         return Pull(deliveries, float(now), int(dropped))
 
@@ -154,9 +205,20 @@ class Leases:
         args = [self.keys.task_prefix, *_pairs(held)]
         return int(self.scripts("give_back", self.keys.bookkeeping(), args))
 
+    def hand_on(self, prepared_list: str, held: Mapping[str, int]) -> dict[str, str]:
+        """Move prepared tasks this holder holds to ``prepared_list`` (``lua/intake.lua``
+        ``hand_on``): task id -> 'on', 'ended' or 'lost'."""
+        if not held:
+            return {}
+        args = [self.keys.task_prefix, _TERMINAL_CSV, *_pairs(held)]
+        keys = [*self.keys.bookkeeping(), prepared_list]
+        words = self.scripts("hand_on", keys, args)
+        return {task_id: str(word) for task_id, word in zip(held, words, strict=True)}
+
     def reap(self, limit: int = 1000) -> int:
         """Put back messages whose holder stopped renewing their lease (by Redis's clock)."""
-        return int(self.scripts("reap", self.keys.bookkeeping(), [limit]))
+        args = [limit, self.keys.task_prefix]
+        return int(self.scripts("reap", self.keys.bookkeeping(), args))
 
 
 class WorkerRecords:

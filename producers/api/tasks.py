@@ -96,6 +96,9 @@ class TaskStatus(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     attempts: int = 0
+    # While queued: a prepare worker is fetching and decoding its media ('preparing'), or
+    # has, and it waits for a GPU worker ('prepared'); None otherwise.
+    stage: str | None = None
     error: ErrorDetail | None = None
     result_url: str | None = None
 
@@ -198,6 +201,7 @@ def _task_status(task_id: str, status: dict[str, str]) -> TaskStatus:
         started_at=_number(status.get("started_at")),
         finished_at=_number(status.get("finished_at")),
         attempts=int(_number(status.get("attempts")) or 0),
+        stage=(status.get("stage") or None) if state == "queued" else None,
         error=error,
         result_url=f"/v1/tasks/{task_id}/result" if state in _TERMINAL else None,
     )

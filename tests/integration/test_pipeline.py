@@ -169,7 +169,9 @@ class HeavyEngine(RunOnlyEngine):
         super().__init__(GatedEngine())
         self.media_bytes = media_bytes
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         prepared = super().prepare(request)
         prepared.media_bytes = self.media_bytes
         return prepared
@@ -263,7 +265,9 @@ def test_large_images_prefetch_within_the_byte_budget(
 class BrittleEngine(RunOnlyEngine):
     """Breaks its contract on marked requests: prepare or collate raises."""
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         if "prepare-bomb" in str(request.messages):
             raise RuntimeError("a bug in prepare")
         return super().prepare(request)

@@ -123,11 +123,14 @@ class Engine(OneSlot):
         return self.loaded
 
     # the steps -------------------------------------------------------------
-    def prepare(self, request: Request, tenant: str | None = None) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         """Fetch, decode, check and estimate one request (any thread); never raises.
-        ``tenant`` keys the frame store (``media.frame_store``)."""
+        ``tenant`` keys the frame store (``media.frame_store``); ``prepared_media``: the
+        prepare tier stored this task's media there."""
         self._ready()
-        return self._preparer.prepare(request, tenant)
+        return self._preparer.prepare(request, tenant, prepared_media)
 
     def plan(
         self, prepared: Sequence[Prepared], token_budget: int | None = None

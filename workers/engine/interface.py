@@ -55,8 +55,12 @@ class Collated:
 class GenerationEngine(Protocol):
     model_name: str
 
-    def prepare(self, request: Request) -> Prepared:
-        """Fetch, decode, check and estimate one request; any thread; never raises."""
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
+        """Fetch, decode, check and estimate one request; any thread; never raises.
+        ``tenant`` keys the frame store; ``prepared_media``: the prepare tier stored this
+        task's media there."""
 
     def plan(
         self, prepared: Sequence[Prepared], token_budget: int | None = None
@@ -127,7 +131,9 @@ class RunOnlyEngine(OneSlot):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)  # stats, setup, close: the engine's own
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         return Prepared(request, request.generation.max_new_tokens or 0)
 
     def plan(

@@ -166,8 +166,12 @@ class Preparer:
         futures = [self.pool.submit(self.prepare, request) for request in requests]
         return [f.result() for f in futures]
 
-    def prepare(self, request: Request, tenant: str | None = None) -> Prepared:
-        """``tenant`` keys the frame store (without one it is used only when tenants share)."""
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
+        """``tenant`` keys the frame store (without one it is used only when tenants share);
+        ``prepared_media``: a prepare worker put this task's media in the frame store (read
+        it back; CPU-decoded pixels, whatever ``device_decode`` says)."""
         prepared = Prepared(request, self._max_new_tokens(request))
         started = time.perf_counter()
         before = self.loader.thread_counts()
@@ -177,7 +181,7 @@ class Preparer:
             self._check_min_tokens(request, prepared.max_new_tokens)
             self._check_text(request)
             prepared.constraint = self._compile(request)
-            prepared.conversation, sizes = self._decode(request, tenant)
+            prepared.conversation, sizes = self._decode(request, tenant, prepared_media)
             prepared.media_bytes = _media_bytes(prepared.conversation)
             prepared.prompt_tokens = self._estimate(prepared.conversation, *sizes)
             self._check_context(prepared)
@@ -264,12 +268,14 @@ class Preparer:
             )
 
     def _decode(
-        self, request: Request, tenant: str | None = None
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
     ) -> tuple[list[dict[str, Any]], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]]:
         image_sizes: list[tuple[int, int]] = []
         video_sizes: list[tuple[int, int, int]] = []
         conversation = []
-        videos = self._load_videos(request, tenant)
+        videos = self._load_videos(request, tenant, prepared_media)
+        # The prepare tier decodes on CPUs: its objects are the CPU decoder's.
+        decoder = None if prepared_media else self.image_decoder
         for message in request.messages:
             content: list[dict[str, Any]] = []
             for part in message.content:
@@ -281,7 +287,8 @@ class Preparer:
                         part.source,
                         self.image_target,
                         tenant,
-                        self.image_decoder,
+                        decoder,
+                        prepared_media,
                     )
                     image = self._with_retry(load)
                     image_sizes.append((image.height, image.width))
@@ -305,7 +312,9 @@ class Preparer:
                 delay *= 2
         return load()
 
-    def _load_videos(self, request: Request, tenant: str | None = None) -> list[DecodedVideo]:
+    def _load_videos(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> list[DecodedVideo]:
         videos = [
             self._with_retry(
                 partial(
@@ -316,6 +325,7 @@ class Preparer:
                     self.video_target,
                     part.video_sampling,
                     tenant,
+                    prepared_media,
                 )
             )
             for part in request.parts("video")

@@ -291,9 +291,11 @@ class VllmEngine:
         return self._llm
 
     # the steps -------------------------------------------------------------
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         self._ready()
-        return self._preparer.prepare(request)
+        return self._preparer.prepare(request, tenant, prepared_media)
 
     def plan(
         self, prepared: Sequence[Prepared], token_budget: int | None = None

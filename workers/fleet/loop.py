@@ -26,7 +26,7 @@ from typing import Any
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import GenerationFailed
 from vlmq.config.logs import log_context
-from vlmq.config.queues import queue_depth
+from vlmq.config.queues import prepare_backlog, queue_depth
 from vlmq.config.schemas import Result
 from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
 from vlmq.config.state import State
@@ -130,10 +130,12 @@ class BatchLoop:
             parts.held.release(lost)
         try:
             depths = queue_depth(parts.state.redis, parts.state.keys, self.modalities)
+            backlog = prepare_backlog(parts.state.redis, parts.state.keys, self.modalities)
         except Exception:  # a metric: never a reason to stop renewing
             log.warning("queue depth could not be read", exc_info=True)
         else:
             parts.observer.heartbeat(depths, getattr(self.engine, "stats", None))
+            parts.observer.prepare_backlog(backlog)
         parts.observer.pipeline(
             self.pipeline.depths() if self.pipeline else {}, *parts.clock.snapshot()
         )
@@ -255,7 +257,7 @@ class BatchLoop:
         assert work.request is not None
         with self.parts.clock.timing("prepare"):
             try:
-                return self.engine.prepare(work.request)
+                return self.engine.prepare(work.request, work.tenant, work.delivery.prepared)
             except Exception:  # an engine that broke its never-raises contract: this one fails
                 log.exception("preparing task %s failed", work.task_id)
                 error = GenerationFailed("preparing this request failed")

@@ -23,6 +23,14 @@ _FRACTIONS = (0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 
 
+# A result's load counts (workers/engine/prepare.py timings) -> vlmq_media_loads sources.
+_LOAD_TIMINGS = (
+    ("decoded", "media_decodes"),
+    ("frame_store", "frame_store_hits"),
+    ("cache", "media_cache_hits"),
+)
+
+
 class WorkerMetrics(LoopObserver):
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         def histogram(name: str, doc: str, labels: list[str], buckets: Any) -> Histogram:
@@ -93,6 +101,17 @@ class WorkerMetrics(LoopObserver):
         self.cache_bytes = Gauge(
             "vlmq_media_cache_bytes", "Bytes held by the media cache", [], registry=registry
         )
+        self.prepare_backlog_depth = Gauge(
+            "vlmq_prepare_backlog",
+            "Image and video tasks waiting, not prepared yet (the prepare tier scales on it)",
+            ["modality"],
+            registry=registry,
+        )
+        self.media_load_count = counter(
+            "vlmq_media_loads",
+            "Media loaded for tasks, by where they came from (decoded here, frame store, cache)",
+            ["modality", "source"],
+        )
         self._cache_seen = (0, 0, 0)
         self._busy_seen: dict[str, float] = {}
         self._wall_seen = 0.0
@@ -131,9 +150,19 @@ class WorkerMetrics(LoopObserver):
                 self.stage.labels(stage, modality).observe(timings[key])
         if status != "succeeded":
             self.failures.labels(str((record.get("error") or {}).get("code"))).inc()
+        for source, key in _LOAD_TIMINGS:
+            if timings.get(key):
+                self.media_loads(modality, source, int(timings[key]))
 
     def uploaded(self, seconds: float, modality: str) -> None:
         self.stage.labels("upload", modality).observe(seconds)
+
+    def prepare_backlog(self, depths: Mapping[str, int]) -> None:
+        for modality, depth in depths.items():
+            self.prepare_backlog_depth.labels(modality).set(depth)
+
+    def media_loads(self, modality: str, source: str, count: int) -> None:
+        self.media_load_count.labels(modality, source).inc(count)
 
     def superseded(self, task_ids: Sequence[str]) -> None:
         self.superseded_results.inc(len(task_ids))

@@ -54,6 +54,13 @@ class LoopObserver:
         """The heartbeat ran: hand-off depths, seconds since start, busy seconds per stage
         (``generate`` over wall is the model-busy fraction)."""
 
+    def prepare_backlog(self, depths: Mapping[str, int]) -> None:
+        """The heartbeat ran: image and video tasks waiting that are not prepared yet."""
+
+    def media_loads(self, modality: str, source: str, count: int) -> None:
+        """Media loaded for a task: ``source`` decoded (fetched and decoded here),
+        frame_store (read back prepared) or cache (this worker's own media cache)."""
+
     def close(self) -> None:
         """The worker stops."""
 
@@ -102,6 +109,12 @@ class Observers(LoopObserver):
         self, depths: Mapping[str, int], wall_s: float, busy_s: Mapping[str, float]
     ) -> None:
         self._each("pipeline", depths, wall_s, busy_s)
+
+    def prepare_backlog(self, depths: Mapping[str, int]) -> None:
+        self._each("prepare_backlog", depths)
+
+    def media_loads(self, modality: str, source: str, count: int) -> None:
+        self._each("media_loads", modality, source, count)
 
     def close(self) -> None:
         self._each("close")

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
+from vlmq.config.errors import ConfigError
 from vlmq.config.feeding import Feeder
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
@@ -36,12 +37,14 @@ from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.loop import BatchLoop, LoopParts
 from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.fleet.observer import LoopObserver, Observers
+from vlmq.workers.fleet.prepare_tier import PrepareLoop, PrepareParts, model_targets
 from vlmq.workers.fleet.settle import Settler, settle_wait
 from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.webhooks import WebhookSender
+from vlmq.workers.media.fleet import fleet_loader
 
-__all__ = ["WorkerService", "compose_loop", "fleet_state"]
+__all__ = ["WorkerService", "compose_loop", "compose_prepare_loop", "fleet_state"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,39 @@ def compose_loop(
     return BatchLoop(fleet, settings.worker, settings.batch, worker, parts)
 
 
+def compose_prepare_loop(
+    settings: Settings,
+    modalities: Sequence[str],
+    worker: str,
+    redis: Redis,
+    observers: Sequence[LoopObserver] = (),
+) -> PrepareLoop:
+    """A prepare worker's loop: no model, the fleet's media loader and frame store, the
+    model's decode targets from its config files (``prepare_tier.model_targets``)."""
+    loader = fleet_loader(settings)
+    if loader.frames is None:
+        raise ConfigError(
+            "the prepare tier needs the frame store (VLMQ_MEDIA__FRAME_STORE__ENABLED=true)"
+        )
+    fleet = settings.fleet
+    state = fleet_state(redis, fleet)
+    threads = settings.worker.preprocess_workers or max(1, (os.cpu_count() or 2) - 1)
+    parts = PrepareParts(
+        state=state,
+        intakes={m: state.intake(m, role="prepare") for m in modalities},
+        held=Held(),
+        loader=loader,
+        targets=model_targets(settings.model, settings.media.downscale_at_decode),
+        # Decoding releases the GIL and fetching waits on the network: threads.
+        pool=ThreadPoolExecutor(2 * threads, thread_name_prefix="prepare"),
+        observer=Observers(observers),
+        clock=StageClock(),
+    )
+    # One pull keeps every thread busy once: a small holding, so a worker that dies sends
+    # little back, and several prepare workers share a burst.
+    return PrepareLoop(fleet, settings.worker.stage_time_limit_s, worker, parts, 2 * threads)
+
+
 class WorkerService:
     def __init__(
         self,
@@ -114,20 +150,25 @@ class WorkerService:
         modalities: list[str],
         engine: Any,
         name: str | None = None,
+        role: str = "gpu",
     ) -> None:
         self.settings = settings
         self.modalities = modalities
         self.engine = engine
-        self.name = name or f"{'+'.join(modalities)}@{socket.gethostname()}:{os.getpid()}"
+        self.role = role
+        serves = ("prepare-" if role == "prepare" else "") + "+".join(modalities)
+        self.name = name or f"{serves}@{socket.gethostname()}:{os.getpid()}"
         self.keys = Keys(settings.fleet.key_prefix)
         self.redis = create_redis(settings)  # a pool: connects on first use
-        self.loop: BatchLoop | None = None
+        self.loop: BatchLoop | PrepareLoop | None = None
         self.feeder: Feeder | None = None
         self.records = fleet_state(self.redis, settings.fleet).workers
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
 
     def setup(self) -> WorkerService:
+        if self.role == "prepare":
+            return self._setup_prepare()
         self.engine.setup()
         settings = self.settings
         if not settings.webhooks.secret:
@@ -142,6 +183,17 @@ class WorkerService:
         )
         fleet = settings.fleet
         # Its own connection: a feed's script never waits behind the batch loop's.
+        self.feeder = Feeder.for_fleet(fleet_state(create_redis(settings), fleet), store, fleet)
+        return self
+
+    def _setup_prepare(self) -> WorkerService:
+        settings = self.settings
+        observers: list[LoopObserver] = [self._metrics()]
+        self.loop = compose_prepare_loop(
+            settings, self.modalities, self.name, self.redis, observers
+        )
+        store = open_store(settings.results_url, settings.s3_endpoint_url, settings.s3_region)
+        fleet = settings.fleet
         self.feeder = Feeder.for_fleet(fleet_state(create_redis(settings), fleet), store, fleet)
         return self
 
@@ -222,6 +274,7 @@ class WorkerService:
         unreachable Redis skips it."""
         assert self.loop is not None
         info = {
+            "role": self.role,
             "modalities": self.modalities,
             "pid": os.getpid(),
             "at": time.time(),
@@ -230,8 +283,10 @@ class WorkerService:
             # hand-offs: what a kill of this worker would send back to the queue.
             "held": len(self.loop.parts.held),
             "pipeline": self.loop.pipeline.depths() if self.loop.pipeline else None,
-            "model": self.engine.model_name,
-            "engine": _engine_stats(self.engine),
+            # A prepare worker serves no model: it prepares media for this one's workers.
+            "model": self.engine.model_name if self.engine is not None else None,
+            "prepares_for": self.settings.model if self.engine is None else None,
+            "engine": _engine_stats(self.engine) if self.engine is not None else {},
         }
         # A worker silent for this many leases died without a clean stop (its work was
         # redelivered after one): its record goes.

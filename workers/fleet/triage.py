@@ -40,7 +40,7 @@ from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import REPAIRED_RESULTS, Settlement, Settler, Stored
 from vlmq.workers.fleet.work import Work, failure_settlement
 
-__all__ = ["Triage"]
+__all__ = ["Triage", "parse_delivery"]
 
 # The id the pull gives a message that names no task of its own (lua/intake.lua, identity).
 INVALID_PREFIX = "invalid-"
@@ -124,33 +124,7 @@ class Triage:
         return item
 
     def _parse(self, delivery: Delivery) -> tuple[TaskMessage, Request]:
-        """The message and its request, or InvalidRequest saying what is wrong. The task is
-        the one the pull named (``lua/intake.lua``, identity); nothing read here names
-        another. A message's request joins only the job its task's hash names (the job that
-        counted it): a plain message that names a job in its request joins none."""
-        if delivery.task_id.startswith(INVALID_PREFIX):
-            raise InvalidRequest(
-                "the message names no task of its own: its id is not a plain id "
-                "([A-Za-z0-9_.-], 1-128, not dots only), or it names a task it is not"
-            )
-        if len(delivery.raw) > self.fleet.max_message_bytes:
-            raise InvalidRequest(f"the message is larger than {self.fleet.max_message_bytes} B")
-        try:
-            message = decode_message(delivery.raw)
-            if message.task_id != delivery.task_id:
-                raise WireError("the message's header id cannot be read one way")
-            fields = {**message.request, "id": delivery.task_id}
-            fields["job_id"] = delivery.status.get("job_id")
-            request = Request.model_validate(fields)
-        except WireError as exc:
-            raise InvalidRequest(str(exc)) from None
-        except ValidationError as exc:
-            raise InvalidRequest(describe_validation_error(exc)) from None
-        except Exception:
-            # A shape nothing above foresaw: this message fails, the worker goes on.
-            log.exception("message %s could not be decoded", delivery.task_id)
-            raise InvalidRequest("the message could not be decoded") from None
-        return message, request
+        return parse_delivery(delivery, self.fleet.max_message_bytes)
 
     # admit -------------------------------------------------------------------
     def _admit(self, item: Work, now: float) -> bool:
@@ -250,3 +224,33 @@ def _stored_settlement(item: Work, stored: Stored) -> Settlement | None:
     if record.get("batch_id") is not None:
         fields["batch_id"] = record["batch_id"]
     return Settlement(dict(record), state, fields, item.token)
+
+
+def parse_delivery(delivery: Delivery, max_message_bytes: int) -> tuple[TaskMessage, Request]:
+    """The message and its request, or InvalidRequest saying what is wrong. The task is
+    the one the pull named (``lua/intake.lua``, identity); nothing read here names
+    another. A message's request joins only the job its task's hash names (the job that
+    counted it): a plain message that names a job in its request joins none."""
+    if delivery.task_id.startswith(INVALID_PREFIX):
+        raise InvalidRequest(
+            "the message names no task of its own: its id is not a plain id "
+            "([A-Za-z0-9_.-], 1-128, not dots only), or it names a task it is not"
+        )
+    if len(delivery.raw) > max_message_bytes:
+        raise InvalidRequest(f"the message is larger than {max_message_bytes} B")
+    try:
+        message = decode_message(delivery.raw)
+        if message.task_id != delivery.task_id:
+            raise WireError("the message's header id cannot be read one way")
+        fields = {**message.request, "id": delivery.task_id}
+        fields["job_id"] = delivery.status.get("job_id")
+        request = Request.model_validate(fields)
+    except WireError as exc:
+        raise InvalidRequest(str(exc)) from None
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+    except Exception:
+        # A shape nothing above foresaw: this message fails, the worker goes on.
+        log.exception("message %s could not be decoded", delivery.task_id)
+        raise InvalidRequest("the message could not be decoded") from None
+    return message, request

@@ -93,6 +93,9 @@ class _Prepared:
     resize: Downscale | None
     tenant: str | None
     decoder: str = "cpu"
+    # A task a prepare worker prepares, or prepared: the store serves every kind of media
+    # (``frame_store.kinds`` says which kinds a worker preparing for itself stores).
+    every_kind: bool = False
 
 
 class MediaLoader:
@@ -147,9 +150,11 @@ class MediaLoader:
         downscale: Downscale | None = None,
         tenant: str | None = None,
         decoder: ImageDecoder | None = None,
+        prepared: bool = False,
     ) -> Image.Image:
         """An RGB image from a source string, or an in-process PIL image. ``decoder`` (a
-        device decoder) replaces the CPU one; its pixels are keyed apart."""
+        device decoder) replaces the CPU one; its pixels are keyed apart. ``prepared``: the
+        task goes through the prepare tier (the frame store holds its photos too)."""
         if isinstance(source, Image.Image):
             # Already decoded by a trusted caller; the pixel limit still holds.
             check_image_pixels(source.size, self.settings)
@@ -162,7 +167,7 @@ class MediaLoader:
             "image",
             lambda data: decode(data, self.settings, downscale),
             image_bytes,
-            _Prepared(None, downscale, tenant, name),
+            _Prepared(None, downscale, tenant, name, prepared),
             *((downscale,) if name == "cpu" else (downscale, name)),
         )
         return image
@@ -175,6 +180,7 @@ class MediaLoader:
         downscale: Downscale | None = None,
         sampling: str | None = None,
         tenant: str | None = None,
+        prepared: bool = False,
     ) -> DecodedVideo:
         """Frames sampled at ``fps`` (default ``settings.video_fps``), at most
         ``max_frames`` (never more than ``settings.video_max_frames``), ``sampling`` exact or
@@ -186,7 +192,7 @@ class MediaLoader:
             "video",
             lambda data: decode_video(data, self.settings, fps, max_frames, downscale, sampling),
             video_bytes,
-            _Prepared(plan, downscale, tenant),
+            _Prepared(plan, downscale, tenant, every_kind=prepared),
             *((fps, max_frames, downscale) if plan.mode == "exact" else (plan, downscale)),
         )
         return video
@@ -204,7 +210,7 @@ class MediaLoader:
         current is served from it without a download; anything else by its bytes' hash.
         With the frame store: a source named without its bytes (staged, S3) is looked up
         before any download; any other once its bytes are in hand."""
-        scope = self._frame_scope(kind, prepared.tenant)
+        scope = self._frame_scope(kind, prepared.tenant, prepared.every_kind)
         if scope is not None:
             content = scope.id_before_fetch(source)
             if content is not None:
@@ -239,11 +245,13 @@ class MediaLoader:
             compute = partial(self._stored, scope, stored_key, kind, decode, source, body)
         return self._cached(key, compute, size_of)
 
-    def _frame_scope(self, kind: MediaKind, tenant: str | None) -> FrameScope | None:
-        """The frame store for this load, or None: off, not for this kind, or no tenant to
-        key it by (and tenants do not share)."""
+    def _frame_scope(
+        self, kind: MediaKind, tenant: str | None, every_kind: bool = False
+    ) -> FrameScope | None:
+        """The frame store for this load, or None: off, not for this kind (unless
+        ``every_kind``), or no tenant to key it by (and tenants do not share)."""
         store = self.frames
-        if store is None or kind not in store.settings.kinds:
+        if store is None or (kind not in store.settings.kinds and not every_kind):
             return None
         if tenant is None and not store.settings.share_across_tenants:
             return None

@@ -38,7 +38,9 @@ class StepEngine:
     def close(self) -> None:
         pass
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         return Prepared(request, request.generation.max_new_tokens or 4, prompt_tokens=8)
 
     def plan(self, prepared: Sequence[Prepared], token_budget: int | None = None) -> Any:

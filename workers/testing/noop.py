@@ -23,7 +23,13 @@ from vlmq.config.settings import EXIT_INJECTED_CRASH
 from vlmq.workers.engine.interface import Collated, OneSlot, RunOnlyEngine
 from vlmq.workers.engine.prepare import Prepared
 
-__all__ = ["NoopEngine", "PrepareCrash", "SimulatedAccelerator", "parse_simulate", "simulated_seconds"]
+__all__ = [
+    "NoopEngine",
+    "PrepareCrash",
+    "SimulatedAccelerator",
+    "parse_simulate",
+    "simulated_seconds",
+]
 
 
 def _text(request: Request) -> str:
@@ -81,10 +87,12 @@ class PrepareCrash(RunOnlyEngine):
         super().__init__(engine)
         self.marker = marker
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
         if self.marker in _text(request):
             os._exit(EXIT_INJECTED_CRASH)
-        return super().prepare(request)
+        return super().prepare(request, tenant, prepared_media)
 
 
 # H200-like defaults for a 2-3B VLM (Qwen2.5-VL-3B), bf16, one GPU:
@@ -148,8 +156,10 @@ class SimulatedAccelerator(OneSlot):
     def close(self) -> None:
         self.engine.close()
 
-    def prepare(self, request: Request, tenant: str | None = None) -> Prepared:
-        prepared: Prepared = self.engine.prepare(request, tenant)
+    def prepare(
+        self, request: Request, tenant: str | None = None, prepared_media: bool = False
+    ) -> Prepared:
+        prepared: Prepared = self.engine.prepare(request, tenant, prepared_media)
         return prepared
 
     def plan(

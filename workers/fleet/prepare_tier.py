@@ -34,6 +34,7 @@ from vlmq.config.state.intake import Delivery, Intake
 from vlmq.config.vision import VisionProfile
 from vlmq.config.wire import priority_lists
 from vlmq.workers.fleet.held import Held
+from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import parse_delivery
@@ -94,6 +95,8 @@ class PrepareParts:
     pool: ThreadPoolExecutor
     observer: LoopObserver
     clock: StageClock
+    # The chores any worker does for the fleet (reaping dead holders, prepare workers' too).
+    housekeeper: Housekeeper
 
 
 class PrepareLoop:
@@ -147,6 +150,7 @@ class PrepareLoop:
     # the loop ----------------------------------------------------------------
     def run_forever(self) -> None:
         while not self._stop.is_set():
+            self.parts.housekeeper.tick()
             if not self.run_once():
                 self._stop.wait(_IDLE_S)
         self._idle.set()
@@ -249,6 +253,7 @@ class PrepareLoop:
             self.parts.state.leases.give_back(held)
             self.parts.held.release(held)
         self.parts.pool.shutdown(wait=False, cancel_futures=True)
+        self.parts.housekeeper.close()
 
 
 def _expired(delivery: Delivery, now: float) -> bool:

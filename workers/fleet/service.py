@@ -137,6 +137,9 @@ def compose_prepare_loop(
         pool=ThreadPoolExecutor(2 * threads, thread_name_prefix="prepare"),
         observer=Observers(observers),
         clock=StageClock(),
+        housekeeper=Housekeeper(
+            state, WebhookSender(state, settings.webhooks), fleet.reap_interval_s
+        ),
     )
     # One pull keeps every thread busy once: a small holding, so a worker that dies sends
     # little back, and several prepare workers share a burst.

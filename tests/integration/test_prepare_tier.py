@@ -247,3 +247,51 @@ def test_a_running_prepare_loop_stops_and_gives_back(
     assert not thread.is_alive() and len(prep.parts.held) == 0
     _drain(_gpu(settings), client, job)
     assert client.status(job)["counts"]["succeeded"] == 3
+
+
+_WITHOUT_TORCH = """
+import sys
+for name in ("torch", "torchvision", "transformers"):
+    sys.modules[name] = None  # an import of any of them fails
+from vlmq.config.connection import create_redis
+from vlmq.config.settings import Settings
+from vlmq.workers.fleet.service import compose_prepare_loop
+
+settings = Settings()
+loop = compose_prepare_loop(settings, ["image", "video"], "prep", create_redis(settings))
+while loop.run_once():
+    pass
+print("prepared without torch")
+"""
+
+
+def test_a_prepare_worker_runs_without_torch(
+    settings: Settings, media: Path, checkpoint: Any, tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    settings = _settings(settings, media, checkpoint("qwen2_5_vl"))
+    client = Client(settings)
+    job = client.submit_many(_requests(media))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "VLMQ_REDIS_URL": settings.redis_url,
+        "VLMQ_RESULTS_URL": settings.results_url,
+        "VLMQ_S3_ENDPOINT_URL": settings.s3_endpoint_url or "",
+        "VLMQ_MODEL": settings.model,
+        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(media)]),
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = Keys()
+    assert client.redis.llen(keys.prepared_queue("image", "bulk")) == 2
+    assert client.redis.llen(keys.prepared_queue("video", "bulk")) == 1
+    assert client.status(job)["counts"]["queued"] == 3

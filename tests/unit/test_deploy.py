@@ -41,9 +41,23 @@ WORKER_DOCKERFILE = ROOT / "docker" / "worker.Dockerfile"
 API_DOCKERFILE = ROOT / "docker" / "api.Dockerfile"
 PROMETHEUS = ROOT / "docker" / "prometheus.yml"
 # Images whose ENTRYPOINT is `vlmq`: a service's command is vlmq's argv.
-VLMQ_DOCKERFILES = {"docker/worker.Dockerfile", "docker/api.Dockerfile"}
+VLMQ_DOCKERFILES = {
+    "docker/worker.Dockerfile",
+    "docker/api.Dockerfile",
+    "docker/prepare.Dockerfile",
+}
+PREPARE_DOCKERFILE = ROOT / "docker" / "prepare.Dockerfile"
 WORKERS = ("worker-text", "worker-image", "worker-video")
-REQUIRED_SERVICES = {"redis", "minio", "minio-init", *WORKERS, "api", "flower", "prometheus"}
+REQUIRED_SERVICES = {
+    "redis",
+    "minio",
+    "minio-init",
+    *WORKERS,
+    "worker-prepare",
+    "api",
+    "flower",
+    "prometheus",
+}
 
 
 @cache
@@ -129,6 +143,22 @@ def test_workers_hold_a_gpu_the_hf_cache_and_a_long_grace_period(name):
     assert as_argv(worker["healthcheck"]["test"])[:4] == ["CMD", "vlmq", "healthcheck", "worker"]
     modality = name.removeprefix("worker-")
     assert as_argv(worker["command"]) == ["worker", "--modality", modality]
+
+
+def test_the_prepare_tier_runs_without_a_gpu_or_torch_and_scales_by_replicas():
+    prepare = services()["worker-prepare"]
+    assert "resources" not in prepare.get("deploy", {})  # no GPU reservation
+    assert str(prepare["deploy"]["replicas"]).isdigit() or "PREPARE_REPLICAS" in COMPOSE.read_text()
+    assert prepare["build"]["dockerfile"] == "docker/prepare.Dockerfile"
+    assert as_argv(prepare["command"])[:3] == ["worker", "--role", "prepare"]
+    assert "VLMQ_MODEL" in prepare["environment"]  # its config files give the resize targets
+    assert any(re.search(r":/hf-cache(:r[ow])?$", str(v)) for v in prepare["volumes"])
+    assert as_argv(prepare["healthcheck"]["test"])[:4] == ["CMD", "vlmq", "healthcheck", "worker"]
+    depends = prepare["depends_on"]
+    assert depends["redis"]["condition"] == "service_healthy"
+    dockerfile = PREPARE_DOCKERFILE.read_text()
+    assert '".[prepare]"' in dockerfile and "find_spec('torch') is not None" in dockerfile
+    assert "worker-prepare" in PROMETHEUS.read_text()
 
 
 def test_the_api_serves_on_all_interfaces_with_keys_from_the_environment():

@@ -1,0 +1,304 @@
+"""Does the prepare tier feed an accelerator? Real-size media, real worker processes.
+
+Media (bench/realmedia.py): 1080p JPEG photos and 720p H.264 clips of 20 s (GOP 60), distinct
+per round. The GPU worker is ``vlmq worker --engine simulated`` (real media and processor
+work; ``generate`` sleeps 5 ms per micro-batch + 20 us per prompt token, visual tokens
+included, + 4 ms per decode step: an H200-like 2-3B model) with the ``small`` Qwen2.5-VL
+checkpoint (random weights, real processor configs), 16 new tokens per request.
+
+Side by side in each round, per workload (32 distinct photos; 8 distinct clips):
+
+* **self**: the GPU worker prepares its own media (no prepare tier, no frame store).
+* **prepared**: two ``vlmq worker --role prepare`` processes prepare the job first (the GPU
+  worker paused), then the GPU worker runs it from the frame store (the prepare workers
+  paused): accelerator busy = the batches' ``generate_s`` over the GPU worker's wall time;
+  the GPU worker's own CPU seconds per request (``/proc``); the prepare workers' CPU seconds
+  per item, hence items/s per core and the prepare cores one such accelerator needs.
+* **keyframes**: the same clips prepared with ``video_sampling: keyframes``.
+* **second job**: the same clips again through the prepare tier: decodes fleet-wide (the
+  prepare workers' ``vlmq_media_loads_total{source="decoded"}`` + the GPU worker's).
+
+    python -m bench.prepare_tier                  # 3 rounds, writes bench/README.md
+    python -m bench.prepare_tier --repeats 1 --write ''
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, replace_section
+from bench.fleet import _model_dir, _stop, _wait
+from bench.pipeline import (
+    NEW_TOKENS,
+    ROOT,
+    SIMULATE,
+    Services,
+    _item,
+    services,
+    start_worker,
+)
+from bench.realmedia import clips, photos
+
+MARKER = "prepare-tier"
+PREPARE_WORKERS = 2
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+@dataclass
+class Run:
+    """One workload through one variant."""
+
+    items: int
+    gpu_wall_s: float
+    generate_s: float
+    gpu_cpu_s: float
+    prepare_cpu_s: float = 0.0
+    decodes: int = 0
+
+    @property
+    def busy(self) -> float:
+        return min(1.0, self.generate_s / self.gpu_wall_s)
+
+    @property
+    def gpu_cpu_per_item(self) -> float:
+        return self.gpu_cpu_s / self.items
+
+    @property
+    def prepare_cpu_per_item(self) -> float:
+        return self.prepare_cpu_s / self.items
+
+    @property
+    def cores_per_accelerator(self) -> float:
+        """Prepare cores that keep one accelerator busy: its item rate x CPU per item."""
+        return self.prepare_cpu_per_item * self.items / max(self.generate_s, 1e-9)
+
+
+@dataclass
+class Report:
+    repeats: int
+    runs: dict[tuple[str, str], list[Run]] = field(default_factory=dict)
+
+    def add(self, workload: str, variant: str, run: Run) -> None:
+        self.runs.setdefault((workload, variant), []).append(run)
+
+
+def _workloads(round_: int) -> dict[str, list[dict[str, Any]]]:
+    photo = photos(32, start=1000 + 32 * round_)
+    clip = clips(8, start=1000 + 8 * round_)
+    return {
+        "photos": [_item("image", p, "What is in the picture?", n) for n, p in enumerate(photo)],
+        "clips": [_item("video", c, "What happens?", n) for n, c in enumerate(clip)],
+    }
+
+
+def _keyframes(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = json.loads(json.dumps(items))
+    for item in out:
+        item["messages"][0]["content"][0]["video_sampling"] = "keyframes"
+    return out
+
+
+def _finished(bench: Services, job: str) -> bool:
+    return bool(bench.client.status(job)["finished"])
+
+
+def _records(bench: Services, job: str) -> list[dict[str, Any]]:
+    records = [bench.client.result(t) for t in bench.client.job_task_ids(job)]
+    failed = [r for r in records if r.get("status") != "succeeded"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0].get('error')}")
+    return records
+
+
+def _generate_s(records: list[dict[str, Any]]) -> float:
+    per_batch = {r["batch_id"]: r["timings"].get("generate_s", 0.0) for r in records}
+    return sum(per_batch.values())
+
+
+def _gpu_run(bench: Services, gpu: str, job: str) -> tuple[float, float, list[dict[str, Any]]]:
+    """Let the GPU worker run ``job`` to its end: (wall, its CPU seconds, records)."""
+    proc = bench.procs[gpu]
+    cpu = cpu_seconds(proc.pid)
+    started = time.perf_counter()
+    proc.send_signal(signal.SIGCONT)
+    _wait(lambda: _finished(bench, job), 1800, "the job", 0.005)
+    wall = time.perf_counter() - started
+    proc.send_signal(signal.SIGSTOP)
+    return wall, cpu_seconds(proc.pid) - cpu, _records(bench, job)
+
+
+def _prepared_ahead(bench: Services, preparers: list[str]) -> float:
+    """Let the prepare workers prepare every waiting task: their CPU seconds."""
+    from vlmq.config.keys import Keys
+    from vlmq.config.queues import prepare_backlog
+
+    keys = Keys()
+    procs = [bench.procs[p] for p in preparers]
+    cpu = sum(cpu_seconds(p.pid) for p in procs)
+    for proc in procs:
+        proc.send_signal(signal.SIGCONT)
+
+    def done() -> bool:
+        backlog = prepare_backlog(bench.client.redis, keys, ["image", "video"])
+        return not any(backlog.values()) and not bench.client.redis.hlen(keys.inflight())
+
+    _wait(done, 1800, "preparing", 0.01)
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    return sum(cpu_seconds(p.pid) for p in procs) - cpu
+
+
+def _decoded(ports: list[int]) -> int:
+    """Media decoded by the prepare workers so far (their metrics endpoints)."""
+    total = 0.0
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("vlmq_media_loads_total{") and 'source="decoded"' in line:
+                    total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def run_self(bench: Services, gpu: str, items: list[dict[str, Any]]) -> Run:
+    job = bench.client.submit_many(items)
+    wall, cpu, records = _gpu_run(bench, gpu, job)
+    decodes = sum(int(r["timings"].get("media_decodes") or 0) for r in records)
+    return Run(len(items), wall, _generate_s(records), cpu, decodes=decodes)
+
+
+def run_prepared(
+    bench: Services, gpu: str, preparers: list[str], ports: list[int], items: list[dict[str, Any]]
+) -> Run:
+    job = bench.client.submit_many(items)
+    decoded_before = _decoded(ports)
+    prepare_cpu = _prepared_ahead(bench, preparers)
+    wall, cpu, records = _gpu_run(bench, gpu, job)
+    decodes = _decoded(ports) - decoded_before
+    decodes += sum(int(r["timings"].get("media_decodes") or 0) for r in records)
+    return Run(len(items), wall, _generate_s(records), cpu, prepare_cpu, decodes)
+
+
+def _start_fleet(bench: Services, model: Path) -> tuple[str, str, list[str], list[int]]:
+    simulated = ("--engine", "simulated", "--simulate", SIMULATE)
+    off = {"VLMQ_MEDIA__FRAME_STORE__ENABLED": "false"}
+    start_worker(bench, "gpu-self", model, ROOT, off, *simulated)
+    start_worker(bench, "gpu-fed", model, ROOT, {}, *simulated)
+    preparers, ports = [], []
+    for n in range(PREPARE_WORKERS):
+        port = 9400 + n
+        extra = {"VLMQ_METRICS__PORT": str(port), "VLMQ_WORKER__PREPROCESS_WORKERS": "1"}
+        start_worker(bench, f"prep-{n}", model, ROOT, extra, "--role", "prepare")
+        preparers.append(f"prep-{n}")
+        ports.append(port)
+    for name in ("gpu-self", "gpu-fed", *preparers):
+        bench.procs[name].send_signal(signal.SIGSTOP)
+    return "gpu-self", "gpu-fed", preparers, ports
+
+
+def measure(bench: Services, model: Path, report: Report) -> None:
+    own, fed, preparers, ports = _start_fleet(bench, model)
+    warm = [_item("image", photos(1, start=20_000)[0], "Warm up.", n) for n in range(2)]
+    run_self(bench, own, warm)
+    run_prepared(bench, fed, preparers, ports, warm)
+    for round_ in range(report.repeats):
+        _progress(f"round {round_ + 1}/{report.repeats}")
+        for name, items in _workloads(round_).items():
+            report.add(name, "self", run_self(bench, own, items))
+            report.add(name, "prepared", run_prepared(bench, fed, preparers, ports, items))
+            if name == "clips":
+                report.add(name, "second job", run_prepared(bench, fed, preparers, ports, items))
+                keyed = _keyframes(items)
+                report.add(name, "keyframes", run_prepared(bench, fed, preparers, ports, keyed))
+            _progress(f"{name}: {_summary(report, name)}")
+    for name in (own, fed, *preparers):
+        _stop(bench.procs.pop(name))
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return format(mid, fmt)
+    return f"{format(mid, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def _summary(report: Report, workload: str) -> str:
+    parts = []
+    for (name, variant), runs in report.runs.items():
+        if name == workload:
+            parts.append(f"{variant} busy {runs[-1].busy:.2f}")
+    return ", ".join(parts)
+
+
+def render(report: Report, command: str) -> str:
+    lines = [
+        f"`{command}` on {machine()}: a simulated H200-like accelerator "
+        f"(`--simulate {SIMULATE}`), {NEW_TOKENS} new tokens, {PREPARE_WORKERS} prepare "
+        f"processes of 1 thread; medians of {report.repeats} rounds (min-max).",
+        "",
+        "| workload | variant | accelerator busy | GPU worker CPU / request | "
+        "prepare CPU / item | items/s per prepare core | prepare cores per accelerator | "
+        "decodes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, variant), runs in report.runs.items():
+        prepare = [r.prepare_cpu_per_item for r in runs]
+        cells = [
+            name,
+            variant,
+            _spread([r.busy for r in runs], ".2f"),
+            _spread([r.gpu_cpu_per_item * 1000 for r in runs], ".1f") + " ms",
+            _spread([p * 1000 for p in prepare], ".0f") + " ms" if any(prepare) else "-",
+            _spread([1 / p for p in prepare if p], ".1f") if any(prepare) else "-",
+            _spread([r.cores_per_accelerator for r in runs], ".1f") if any(prepare) else "-",
+            _spread([float(r.decodes) for r in runs], ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _progress(message: str) -> None:
+    print(f"[prepare-tier] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--write", default=str(ROOT / "bench" / "README.md"), help="README to update ('' to skip)"
+    )
+    args = parser.parse_args(argv)
+    model = _model_dir(ROOT / ".vlmq" / "bench")
+    for round_ in range(args.repeats):  # generate (once) and cache every round's media
+        _workloads(round_)
+    report = Report(args.repeats)
+    with services() as bench:
+        measure(bench, model, report)
+    command = "python -m bench.prepare_tier" + (
+        f" {' '.join(argv or sys.argv[1:])}" if (argv or sys.argv[1:]) else ""
+    )
+    text = render(report, command)
+    print(text)
+    if args.write:
+        replace_section(Path(args.write), MARKER, text)
+
+
+if __name__ == "__main__":
+    main()

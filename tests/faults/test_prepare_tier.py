@@ -77,9 +77,10 @@ def _items(media: Path) -> list[dict[str, Any]]:
         }
         for n in range(CLIPS)
     ]
-    for item in photos + clips:
+    items: list[dict[str, Any]] = [*photos, *clips]
+    for item in items:
         item["max_new_tokens"] = 4
-    return photos + clips
+    return items
 
 
 def _prepare_worker(fleet: Processes, name: str, env: dict[str, str] | None = None) -> Any:

@@ -15,8 +15,9 @@ Side by side in each round, per workload (32 distinct photos; 8 distinct clips):
   the GPU worker's own CPU seconds per request (``/proc``); the prepare workers' CPU seconds
   per item, hence items/s per core and the prepare cores one such accelerator needs.
 * **keyframes**: the same clips prepared with ``video_sampling: keyframes``.
-* **second job**: the same clips again through the prepare tier: decodes fleet-wide (the
-  prepare workers' ``vlmq_media_loads_total{source="decoded"}`` + the GPU worker's).
+* **second job**: 100 distinct 2 s 720p clips through the prepare tier, then a second job on
+  the same 100 clips: decodes fleet-wide (the prepare workers'
+  ``vlmq_media_loads_total{source="decoded"}`` + the GPU worker's ``media_decodes``).
 
     python -m bench.prepare_tier                  # 3 rounds, writes bench/README.md
     python -m bench.prepare_tier --repeats 1 --write ''
@@ -222,12 +223,18 @@ def measure(bench: Services, model: Path, report: Report) -> None:
             report.add(name, "self", run_self(bench, own, items))
             report.add(name, "prepared", run_prepared(bench, fed, preparers, ports, items))
             if name == "clips":
-                report.add(name, "second job", run_prepared(bench, fed, preparers, ports, items))
                 keyed = _keyframes(items)
                 report.add(name, "keyframes", run_prepared(bench, fed, preparers, ports, keyed))
             _progress(f"{name}: {_summary(report, name)}")
+    hundred = [_item("video", c, "What happens?", n) for n, c in enumerate(_hundred())]
+    for job in ("100 clips, first job", "100 clips, second job"):
+        report.add(job, "prepared", run_prepared(bench, fed, preparers, ports, hundred))
     for name in (own, fed, *preparers):
         _stop(bench.procs.pop(name))
+
+
+def _hundred() -> list[Path]:
+    return clips(100, seconds=2, start=5000)
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -288,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     model = _model_dir(ROOT / ".vlmq" / "bench")
     for round_ in range(args.repeats):  # generate (once) and cache every round's media
         _workloads(round_)
+    _hundred()
     report = Report(args.repeats)
     with services() as bench:
         measure(bench, model, report)

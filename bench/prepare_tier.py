@@ -199,11 +199,17 @@ def _start_fleet(bench: Services, model: Path) -> tuple[str, str, list[str], lis
     simulated = ("--engine", "simulated", "--simulate", SIMULATE)
     off = {"VLMQ_MEDIA__FRAME_STORE__ENABLED": "false"}
     start_worker(bench, "gpu-self", model, ROOT, off, *simulated)
-    start_worker(bench, "gpu-fed", model, ROOT, {}, *simulated)
+    # No per-worker media cache on the fed side: every read-back is the frame store's.
+    nocache = {"VLMQ_MEDIA__CACHE_BYTES": "0"}
+    start_worker(bench, "gpu-fed", model, ROOT, nocache, *simulated)
     preparers, ports = [], []
     for n in range(PREPARE_WORKERS):
         port = 9400 + n
-        extra = {"VLMQ_METRICS__PORT": str(port), "VLMQ_WORKER__PREPROCESS_WORKERS": "1"}
+        extra = {
+            "VLMQ_METRICS__PORT": str(port),
+            "VLMQ_WORKER__PREPROCESS_WORKERS": "1",
+            **nocache,
+        }
         start_worker(bench, f"prep-{n}", model, ROOT, extra, "--role", "prepare")
         preparers.append(f"prep-{n}")
         ports.append(port)

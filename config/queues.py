@@ -1,7 +1,7 @@
 """Where a modality class's waiting messages are, and how many there are.
 
 Shared by the API (to refuse work when a class is full) and the workers (the
-``vlmq_queue_depth`` metric), so both count the same lists.
+``vlmq_queue_depth`` and ``vlmq_queue_lane_depth`` metrics), so both count the same lists.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from redis import Redis
 from vlmq.config.keys import LANES, Keys
 from vlmq.config.wire import priority_lists
 
-__all__ = ["queue_depth", "queue_lists"]
+__all__ = ["lane_depths", "queue_depth", "queue_lists"]
 
 
 def queue_lists(keys: Keys, modality: str) -> list[str]:
@@ -23,17 +23,25 @@ def queue_lists(keys: Keys, modality: str) -> list[str]:
 
 
 def queue_depth(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, int]:
-    """Messages waiting per class: the fixed lists' lengths plus the job lists' counter,
-    one pipelined round trip whatever the number of active jobs."""
-    names = {m: queue_lists(keys, m) for m in modalities}
+    """Messages waiting per class, both lanes together."""
+    return {m: sum(lanes.values()) for m, lanes in lane_depths(redis, keys, modalities).items()}
+
+
+def lane_depths(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Messages waiting per class and lane: each lane's fixed lists, and on the bulk lane
+    the job lists' counter too; one pipelined round trip whatever the number of active
+    jobs."""
+    names = {m: {lane: priority_lists(keys.queue(m, lane)) for lane in LANES} for m in modalities}
     pipe = redis.pipeline(transaction=False)
-    for modality, lists in names.items():
-        for name in lists:
-            pipe.llen(name)
+    for modality, lanes in names.items():
+        for lists in lanes.values():
+            for name in lists:
+                pipe.llen(name)
         pipe.hget(keys.job_depth(), keys.active_tenants(modality))
     replies = iter(pipe.execute())
-    depth = {}
-    for modality, lists in names.items():
-        fixed = sum(int(next(replies)) for _ in lists)
-        depth[modality] = fixed + max(0, int(next(replies) or 0))
-    return depth
+    depths = {}
+    for modality, lanes in names.items():
+        depth = {lane: sum(int(next(replies)) for _ in lists) for lane, lists in lanes.items()}
+        depth["bulk"] += max(0, int(next(replies) or 0))  # each bulk job's own list
+        depths[modality] = depth
+    return depths

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format bench clean
+.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format settings-docs bench clean
 
 ## help: list the targets
 help:
@@ -75,6 +75,11 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+## settings-docs: regenerate .env.example and docs/settings.md from the settings' descriptions (config/settings.py)
+settings-docs: setup
+	$(BIN)/python -m vlmq settings --format env > .env.example.new && mv .env.example.new .env.example
+	$(BIN)/python -m vlmq settings --format md > docs/settings.md.new && mv docs/settings.md.new docs/settings.md
 
 ## bench: the performance report (bench/REPORT.md + bench/throughput.png)
 bench: setup

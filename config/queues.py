@@ -1,7 +1,7 @@
 """Where a modality class's waiting messages are, and how many there are.
 
 Shared by the API (to refuse work when a class is full) and the workers (the
-``vlmq_queue_depth`` metric), so both count the same lists.
+``vlmq_queue_depth`` and ``vlmq_queue_lane_depth`` metrics), so both count the same lists.
 """
 
 from __future__ import annotations
@@ -14,37 +14,54 @@ from vlmq.config.keys import LANES, Keys
 from vlmq.config.state.intake import PREPARED_CLASSES
 from vlmq.config.wire import priority_lists
 
-__all__ = ["prepare_backlog", "queue_depth", "queue_lists"]
+__all__ = ["lane_depths", "prepare_backlog", "queue_depth", "queue_lists"]
+
+
+def _lane_lists(keys: Keys, modality: str, lane: str, prepared: bool) -> list[str]:
+    """One lane's fixed lists: every priority step, and with ``prepared`` the lane's
+    prepared list (tasks a prepare worker handed on)."""
+    lists = priority_lists(keys.queue(modality, lane))
+    if prepared and modality in PREPARED_CLASSES:
+        lists = [*lists, keys.prepared_queue(modality, lane)]
+    return lists
 
 
 def queue_lists(keys: Keys, modality: str, prepared: bool = True) -> list[str]:
     """The fixed Redis lists of a class's waiting messages: both lanes, at every
     priority step (each bulk job's own list is counted by the depth hash instead), and
-    with ``prepared`` the lanes' prepared lists (tasks a prepare worker handed on)."""
-    lists = [name for lane in LANES for name in priority_lists(keys.queue(modality, lane))]
-    if prepared and modality in PREPARED_CLASSES:
-        lists += [keys.prepared_queue(modality, lane) for lane in LANES]
-    return lists
+    with ``prepared`` the lanes' prepared lists."""
+    return [name for lane in LANES for name in _lane_lists(keys, modality, lane, prepared)]
 
 
 def queue_depth(
     redis: Redis, keys: Keys, modalities: Iterable[str], prepared: bool = True
 ) -> dict[str, int]:
-    """Messages waiting per class: the fixed lists' lengths plus the job lists' counter,
-    one pipelined round trip whatever the number of active jobs. Without ``prepared``:
-    those not prepared yet (the prepare tier's backlog, ``vlmq_prepare_backlog``)."""
-    names = {m: queue_lists(keys, m, prepared) for m in modalities}
+    """Messages waiting per class, both lanes together (without ``prepared``: those not
+    prepared yet)."""
+    depths = lane_depths(redis, keys, modalities, prepared)
+    return {m: sum(lanes.values()) for m, lanes in depths.items()}
+
+
+def lane_depths(
+    redis: Redis, keys: Keys, modalities: Iterable[str], prepared: bool = True
+) -> dict[str, dict[str, int]]:
+    """Messages waiting per class and lane: each lane's fixed lists, and on the bulk lane
+    the job lists' counter too; one pipelined round trip whatever the number of active
+    jobs."""
+    names = {m: {lane: _lane_lists(keys, m, lane, prepared) for lane in LANES} for m in modalities}
     pipe = redis.pipeline(transaction=False)
-    for modality, lists in names.items():
-        for name in lists:
-            pipe.llen(name)
+    for modality, lanes in names.items():
+        for lists in lanes.values():
+            for name in lists:
+                pipe.llen(name)
         pipe.hget(keys.job_depth(), keys.active_tenants(modality))
     replies = iter(pipe.execute())
-    depth = {}
-    for modality, lists in names.items():
-        fixed = sum(int(next(replies)) for _ in lists)
-        depth[modality] = fixed + max(0, int(next(replies) or 0))
-    return depth
+    depths = {}
+    for modality, lanes in names.items():
+        depth = {lane: sum(int(next(replies)) for _ in lists) for lane, lists in lanes.items()}
+        depth["bulk"] += max(0, int(next(replies) or 0))  # each bulk job's own list
+        depths[modality] = depth
+    return depths
 
 
 def prepare_backlog(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, int]:

@@ -32,6 +32,7 @@ _COMMANDS = {
     "usage": "vlmq.producers.commands:usage",
     "serve": "vlmq.producers.serve:serve",
     "healthcheck": "vlmq.producers.healthcheck:healthcheck",
+    "settings": "vlmq.producers.settings_docs:settings",
 }
 
 
@@ -56,7 +57,7 @@ class LazyGroup(click.Group):
     envvar="VLMQ_LOG_LEVEL",
     default="warning",
     show_default=True,
-    help="Logging level [VLMQ_LOG_LEVEL].",
+    help="Logging level: debug, info, warning or error [VLMQ_LOG_LEVEL].",
 )
 @click.option(
     "--log-format",
@@ -64,7 +65,8 @@ class LazyGroup(click.Group):
     type=click.Choice(LOG_FORMATS),
     default="text",
     show_default=True,
-    help="json: one JSON object per line, with task, job, batch and worker ids [VLMQ_LOG_FORMAT].",
+    help="Log lines as text, or json: one JSON object per line, with task, job, batch and "
+    "worker ids [VLMQ_LOG_FORMAT].",
 )
 def cli(log_level: str, log_format: str) -> None:
     """vlmq: batched vision-language-model inference on a fleet of workers."""

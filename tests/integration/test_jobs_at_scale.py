@@ -14,7 +14,7 @@ import pytest
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
 from vlmq.config.feeding import FeedCounts
 from vlmq.config.keys import Keys
-from vlmq.config.queues import queue_depth, queue_lists
+from vlmq.config.queues import lane_depths, queue_depth, queue_lists
 from vlmq.config.settings import Settings
 from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client
@@ -131,9 +131,12 @@ def test_queue_depth_is_counted_not_listed(settings):
     client.submit([{"role": "user", "content": "now"}])
     keys = Keys()
     assert queue_depth(client.redis, keys, ["text"]) == {"text": 91}
+    # The one interactive task on its lane, the jobs' tasks on the bulk lane.
+    assert lane_depths(client.redis, keys, ["text"]) == {"text": {"interactive": 1, "bulk": 90}}
     intake, leases = client.state.intake("text"), client.state.leases
     pulled = intake.pull(20, lease_s=60)
     assert queue_depth(client.redis, keys, ["text"]) == {"text": 71}
+    assert lane_depths(client.redis, keys, ["text"]) == {"text": {"interactive": 0, "bulk": 71}}
     leases.give_back({d.task_id: d.token for d in pulled.deliveries})
     assert queue_depth(client.redis, keys, ["text"]) == {"text": 91}
     # The depth read is a fixed number of commands whatever the number of active jobs.

@@ -46,6 +46,8 @@ def test_worker_metrics_follow_a_job(settings):
     assert _value(text, "vlmq_stage_seconds_count", stage="queue_wait", modality="text") == 12
     assert _value(text, "vlmq_stage_seconds_count", stage="upload", modality="text") == 12
     assert _value(text, "vlmq_queue_depth", modality="text") == 0
+    assert _value(text, "vlmq_queue_lane_depth", modality="text", lane="interactive") == 0
+    assert _value(text, "vlmq_queue_lane_depth", modality="text", lane="bulk") == 0
     # The pipeline's view: stages busy, the model's share of the wall, hand-off depths.
     assert _value(text, "vlmq_stage_busy_seconds_total", stage="generate") > 0
     assert _value(text, "vlmq_stage_busy_seconds_total", stage="prepare") >= 0

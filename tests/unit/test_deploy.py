@@ -1,5 +1,5 @@
 """The deployment files agree with the code: docker-compose.yml, the Dockerfiles,
-docker/prometheus.yml and .env.example.
+docker/prometheus.yml, Grafana's provisioning (docker/grafana/) and .env.example.
 
 Nothing here needs a Docker engine. `docker compose config` runs when a compose
 client is installed; everything else parses the files with PyYAML and checks
@@ -40,6 +40,7 @@ ENV_EXAMPLE = ROOT / ".env.example"
 WORKER_DOCKERFILE = ROOT / "docker" / "worker.Dockerfile"
 API_DOCKERFILE = ROOT / "docker" / "api.Dockerfile"
 PROMETHEUS = ROOT / "docker" / "prometheus.yml"
+GRAFANA_DASHBOARDS = "/etc/grafana/dashboards"
 # Images whose ENTRYPOINT is `vlmq`: a service's command is vlmq's argv.
 VLMQ_DOCKERFILES = {
     "docker/worker.Dockerfile",
@@ -57,6 +58,7 @@ REQUIRED_SERVICES = {
     "api",
     "flower",
     "prometheus",
+    "grafana",
 }
 
 
@@ -437,6 +439,40 @@ def test_prometheus_scrapes_the_workers_and_the_api():
     assert [t for sc in api["static_configs"] for t in sc["targets"]] == ["api:8000"]
     mounted = " ".join(services()["prometheus"]["volumes"])
     assert "./docker/prometheus.yml:/etc/prometheus/prometheus.yml" in mounted
+
+
+def mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> host path (or volume name) of a service's volumes."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        found[target] = source
+    return found
+
+
+def test_grafana_reads_prometheus_and_opens_on_the_vlmq_dashboard():
+    grafana = services()["grafana"]
+    image = re.fullmatch(r"\$\{GRAFANA_IMAGE:-(.+)\}", grafana["image"])
+    assert image and re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", image.group(1))  # pinned
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_started"
+    assert any(re.fullmatch(r"127\.0\.0\.1:\S+:3000", str(p)) for p in grafana["ports"])
+    env = grafana["environment"]
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD")
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    mounted = mounts(grafana)
+    assert mounted["/var/lib/grafana"] in compose()["volumes"]
+    provisioning = ROOT / mounted["/etc/grafana/provisioning"]
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    assert [(s["type"], s["url"]) for s in sources["datasources"]] == [
+        ("prometheus", "http://prometheus:9090")
+    ]
+    assert any(str(p).endswith(":9090") for p in services()["prometheus"]["ports"])
+    providers = yaml.safe_load((provisioning / "dashboards" / "vlmq.yml").read_text())
+    assert [p["options"]["path"] for p in providers["providers"]] == [GRAFANA_DASHBOARDS]
+    home = Path(env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert home.parent == Path(GRAFANA_DASHBOARDS)
+    dashboard = ROOT / mounted[GRAFANA_DASHBOARDS] / home.name
+    assert json.loads(dashboard.read_text())["uid"] == "vlmq"
 
 
 # --- docker compose itself, where a client is installed ----------------------------

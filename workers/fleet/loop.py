@@ -26,7 +26,7 @@ from typing import Any
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import GenerationFailed
 from vlmq.config.logs import log_context
-from vlmq.config.queues import prepare_backlog, queue_depth
+from vlmq.config.queues import lane_depths, prepare_backlog
 from vlmq.config.schemas import Result
 from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
 from vlmq.config.state import State
@@ -129,7 +129,7 @@ class BatchLoop:
             log.warning("lost the leases of %d tasks", len(lost))
             parts.held.release(lost)
         try:
-            depths = queue_depth(parts.state.redis, parts.state.keys, self.modalities)
+            depths = lane_depths(parts.state.redis, parts.state.keys, self.modalities)
             backlog = prepare_backlog(parts.state.redis, parts.state.keys, self.modalities)
         except Exception:  # a metric: never a reason to stop renewing
             log.warning("queue depth could not be read", exc_info=True)

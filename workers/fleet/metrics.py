@@ -1,7 +1,7 @@
 """Prometheus metrics of a worker (served on VLMQ_METRICS__PORT when set).
 
 Every figure an operator needs to size and debug the fleet: queue depth per
-class, batch size and fill, padding efficiency, token rates (as counters; use
+class and lane, batch size and fill, padding efficiency, token rates (as counters; use
 ``rate()``), per-stage latency, failures by error code, OOM splits,
 redeliveries and dead letters. Fed by the batch loop's observer hooks.
 """
@@ -43,6 +43,12 @@ class WorkerMetrics(LoopObserver):
             "vlmq_queue_depth",
             "Messages waiting per modality class",
             ["modality"],
+            registry=registry,
+        )
+        self.lane_depth = Gauge(
+            "vlmq_queue_lane_depth",
+            "Messages waiting per modality class and lane (interactive, bulk)",
+            ["modality", "lane"],
             registry=registry,
         )
         self.batch_size = histogram(
@@ -170,9 +176,11 @@ class WorkerMetrics(LoopObserver):
     def dropped(self, count: int) -> None:
         self.dropped_copies.inc(count)
 
-    def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
-        for modality, depth in queue_depths.items():
-            self.queue_depth.labels(modality).set(depth)
+    def heartbeat(self, queue_depths: Mapping[str, Mapping[str, int]], engine_stats: Any) -> None:
+        for modality, lanes in queue_depths.items():
+            self.queue_depth.labels(modality).set(sum(lanes.values()))
+            for lane, depth in lanes.items():
+                self.lane_depth.labels(modality, lane).set(depth)
         if engine_stats is not None:
             self._engine(engine_stats)
 

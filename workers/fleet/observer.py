@@ -45,8 +45,9 @@ class LoopObserver:
     def dropped(self, count: int) -> None:
         """A pull dropped copies of tasks already finished or held by a live holder."""
 
-    def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
-        """The heartbeat ran: queue depths per class, the engine's cumulative counters."""
+    def heartbeat(self, queue_depths: Mapping[str, Mapping[str, int]], engine_stats: Any) -> None:
+        """The heartbeat ran: messages waiting per class and lane, the engine's cumulative
+        counters."""
 
     def pipeline(
         self, depths: Mapping[str, int], wall_s: float, busy_s: Mapping[str, float]
@@ -102,7 +103,7 @@ class Observers(LoopObserver):
     def dropped(self, count: int) -> None:
         self._each("dropped", count)
 
-    def heartbeat(self, queue_depths: Mapping[str, int], engine_stats: Any) -> None:
+    def heartbeat(self, queue_depths: Mapping[str, Mapping[str, int]], engine_stats: Any) -> None:
         self._each("heartbeat", queue_depths, engine_stats)
 
     def pipeline(

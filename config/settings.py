@@ -298,7 +298,7 @@ class ApiSettings(BaseModel):
     # binds to loopback only and answers only loopback Host names (no DNS rebinding).
     api_keys: list[str] = Field(default_factory=list)
     # Key -> tenant: each key acts as its tenant and sees that tenant's work only
-    # (VLMQ_API__TENANT_KEYS='{"<key>": "team-a"}'). Docs: README "Multi-tenant".
+    # (VLMQ_API__TENANT_KEYS='{"<key>": "team-a"}'). Docs: docs/tenants-ha.md.
     tenant_keys: dict[str, str] = Field(default_factory=dict)
     # Keys with the admin role: they see and cancel every tenant's work (their own
     # submissions go to the default tenant).
@@ -361,7 +361,7 @@ class TenantQuota(BaseModel):
 
 
 class TenantSettings(BaseModel):
-    """Quotas per tenant (docs/scaling.md, Multi-tenant)."""
+    """Quotas per tenant (docs/tenants-ha.md)."""
 
     # tenant -> its quota (VLMQ_TENANTS__QUOTAS='{"team-a": {"max_queued_tasks": 100000}}').
     quotas: dict[str, TenantQuota] = Field(default_factory=dict)

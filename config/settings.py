@@ -790,7 +790,7 @@ class TenantQuota(BaseModel):
 
 
 class TenantSettings(BaseModel):
-    """Quotas per tenant (docs/scaling.md, Multi-tenant)."""
+    """Quotas per tenant (docs/tenants-ha.md)."""
 
     quotas: dict[str, TenantQuota] = Field(
         default_factory=dict,
@@ -827,7 +827,7 @@ class Settings(BaseSettings):
         "redis://127.0.0.1:6379/0",
         description="Broker and status store (compose sets redis://redis:6379/0). With "
         "Sentinel: redis+sentinel://[[user]:password@]host1:26379,host2:26379/service[/db] "
-        "(the password is the master's; docs/scaling.md, HA).",
+        "(the password is the master's; docs/tenants-ha.md).",
     )
     redis_sentinel_password: str = Field(
         "",
@@ -888,7 +888,7 @@ class Settings(BaseSettings):
     )
     tenants: TenantSettings = Field(
         default_factory=TenantSettings,
-        description="Quotas per tenant (docs/scaling.md, Multi-tenant).",
+        description="Quotas per tenant (docs/tenants-ha.md).",
     )
     webhooks: WebhookSettings = Field(
         default_factory=WebhookSettings, description="Job-finished notifications."

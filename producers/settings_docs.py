@@ -143,7 +143,7 @@ COMPOSE = Group(
             "REDIS_MAXMEMORY",
             "4gb",
             "Redis memory cap. With maxmemory-policy noeviction, writes fail once it is "
-            "reached instead of silently dropping queued tasks (sizing: docs/scaling.md).",
+            "reached instead of silently dropping queued tasks (sizing: docs/deploy.md).",
         ),
         _image("REDIS_IMAGE", "redis", "redis:7.4"),
         _image("MINIO_IMAGE", "minio", "minio/minio:latest"),

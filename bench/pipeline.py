@@ -129,7 +129,7 @@ class Services:
 def services() -> Iterator[Services]:
     from vlmq.config.settings import Settings
     from vlmq.producers.client import Client
-    from vlmq.workers.testing.localredis import LocalRedis
+    from vlmq.producers.localredis import LocalRedis
 
     with tempfile.TemporaryDirectory(prefix="vlmq-bench-pipeline-") as name:
         tmp = Path(name)

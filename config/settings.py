@@ -14,7 +14,6 @@ __all__ = [
     "ApiSettings",
     "BatchPolicy",
     "EngineSettings",
-    "FaultInjection",
     "FleetSettings",
     "MediaSettings",
     "MetricsSettings",
@@ -103,30 +102,6 @@ class MediaSettings(BaseModel):
     allow_private_addresses: bool = False
 
 
-# Exit status of a worker killed on purpose by FaultInjection.crash_marker.
-EXIT_INJECTED_CRASH = 86
-
-
-class FaultInjection(BaseModel):
-    """Testing only: deterministic faults, so the GPU and fleet failure paths run on CPU."""
-
-    # Raise an out-of-memory error for any micro-batch larger than this.
-    oom_above_batch: int | None = None
-    # Raise inside generate for any micro-batch holding a request whose text
-    # contains this marker (a "poison" request for bisection tests).
-    poison_marker: str | None = None
-    # Exit the worker process abruptly (as a segfault or an OOM kill would)
-    # when a batch holds a request whose text contains this marker.
-    crash_marker: str | None = None
-    # The same while the request is prepared (before it starts: a native decoder crash or an
-    # OOM kill while decoding).
-    prepare_crash_marker: str | None = None
-    # The first N settles of a worker raise an unexpected error (a bug in settling).
-    settle_errors: int = Field(0, ge=0)
-    # The worker's Nth heartbeat raises an unexpected error (a bug in the renewal thread).
-    heartbeat_error_at: int | None = Field(None, ge=1)
-
-
 class VllmSettings(BaseModel):
     """The vLLM engine's own settings (``VLMQ_ENGINE__BACKEND=vllm``; docs/engines.md)."""
 
@@ -181,7 +156,6 @@ class EngineSettings(BaseModel):
     # Benchmarks only: force fixed output lengths (min_new_tokens = max_new_tokens)
     # so random-weight checkpoints that emit EOS early still do comparable work.
     fixed_output_length: bool = False
-    faults: FaultInjection = Field(default_factory=FaultInjection)
 
 
 class BatchPolicy(BaseModel):

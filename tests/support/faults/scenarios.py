@@ -8,11 +8,12 @@ import signal
 import time
 from typing import Any
 
+from tests.support.faults.harness import Harness
+from tests.support.faults.inject import Faults
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.status import TERMINAL
 from vlmq.config.wire import encode_message
-from vlmq.workers.testing.faults.harness import Harness
-from vlmq.workers.testing.services import wait_until
 
 TERMINAL_STATES = {s.value for s in TERMINAL}
 
@@ -178,7 +179,7 @@ def poison_in_batch(h: Harness, model: str, batch: int = 16) -> dict[str, Any]:
     policy = {
         "VLMQ_BATCH": _policy(batch, wait_s=1.0),
         "VLMQ_MODEL": model,
-        "VLMQ_ENGINE__FAULTS__POISON_MARKER": "POISON",
+        **Faults(poison_marker="POISON").env(),
         "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
     }
     h.worker("--modality", "text", "--no-celery", "--name", "poisoned", **policy)
@@ -208,7 +209,7 @@ def crash_request(h: Harness, tasks: int = 6) -> dict[str, Any]:
     job, _ids = h.submit_text(tasks, marker="CRASH")
     deaths = 0
     while not h.client.status(job)["finished"] and deaths <= 6:
-        proc = h.noop_worker(f"crashy-{deaths}", 0.05, VLMQ_ENGINE__FAULTS__CRASH_MARKER="CRASH")
+        proc = h.noop_worker(f"crashy-{deaths}", 0.05, **Faults(crash_marker="CRASH").env())
         wait_until(
             lambda p=proc: p.poll() is not None or h.client.status(job)["finished"],
             timeout=60,
@@ -229,7 +230,7 @@ def oom_halving(h: Harness, model: str, batch: int = 16, limit: int = 4) -> dict
     env = {
         "VLMQ_BATCH": _policy(batch, wait_s=1.0),
         "VLMQ_MODEL": model,
-        "VLMQ_ENGINE__FAULTS__OOM_ABOVE_BATCH": str(limit),
+        **Faults(oom_above_batch=limit).env(),
         "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
     }
     h.worker("--modality", "text", "--no-celery", "--name", "small-gpu", **env)
@@ -306,6 +307,6 @@ def double_publish(h: Harness) -> dict[str, Any]:
 
 
 def _policy(size: int, wait_s: float) -> str:
-    from vlmq.workers.testing.faults.harness import batch_policy
+    from tests.support.faults.harness import batch_policy
 
     return batch_policy(size, wait_s)

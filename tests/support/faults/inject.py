@@ -131,9 +131,9 @@ def _noop_patches(faults: Faults) -> list[Patch]:
     if faults.crash_marker:
         run = NoopEngine.run
 
-        def crashing_run(self: NoopEngine, requests: Sequence[Request], *args: Any) -> Any:
+        def crashing_run(self: Any, requests: Sequence[Request], *args: Any, **kw: Any) -> Any:
             _crash_if_marked(faults.crash_marker, requests)
-            return run(self, requests, *args)
+            return run(self, requests, *args, **kw)
 
         found.append((NoopEngine, "run", crashing_run))
     if faults.prepare_crash_marker:
@@ -168,12 +168,12 @@ def _failing_first(method: Callable[..., Any], times: int, what: str) -> Callabl
     left = itertools.count(times, -1)
     lock = threading.Lock()
 
-    def failing(self: Any, *args: Any) -> Any:
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
         with lock:
             fail = next(left) > 0
         if fail:
             raise RuntimeError(f"injected {what} error")
-        return method(self, *args)
+        return method(self, *args, **kwargs)
 
     return failing
 

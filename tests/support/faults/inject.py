@@ -26,7 +26,7 @@ from vlmq.config.schemas import Request, TextPart
 from vlmq.workers.cli import TEST_HOOK_ENV
 from vlmq.workers.engine.noop import NoopEngine
 
-__all__ = ["EXIT_INJECTED_CRASH", "Faults", "InjectedFault", "injected", "install"]
+__all__ = ["EXIT_INJECTED_CRASH", "Faults", "InjectedFault", "injected", "install", "patches"]
 
 # Exit status of a worker a crash marker killed.
 EXIT_INJECTED_CRASH = 86

@@ -174,16 +174,21 @@ def _succeeded_without_object(h: Harness, job: str, ids: list[str]) -> int:
     )
 
 
-def poison_in_batch(h: Harness, model: str, batch: int = 16) -> dict[str, Any]:
-    """One request that makes generate raise, among ``batch`` in one batch."""
-    policy = {
+def _faulty_worker(h: Harness, name: str, model: str, batch: int, faults: Faults) -> None:
+    """A text worker on ``model`` that batches ``batch`` requests, with ``faults``; registered."""
+    env = {
         "VLMQ_BATCH": _policy(batch, wait_s=1.0),
         "VLMQ_MODEL": model,
-        **Faults(poison_marker="POISON").env(),
         "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
+        **faults.env(),
     }
-    h.worker("--modality", "text", "--no-celery", "--name", "poisoned", **policy)
-    h.wait_registered("poisoned")
+    h.worker("--modality", "text", "--no-celery", "--name", name, **env)
+    h.wait_registered(name)
+
+
+def poison_in_batch(h: Harness, model: str, batch: int = 16) -> dict[str, Any]:
+    """One request that makes generate raise, among ``batch`` in one batch."""
+    _faulty_worker(h, "poisoned", model, batch, Faults(poison_marker="POISON"))
     job, ids = h.submit_text(batch, marker="POISON")
     status = h.wait_job(job)
     wait_until(
@@ -227,14 +232,7 @@ def crash_request(h: Harness, tasks: int = 6) -> dict[str, Any]:
 
 def oom_halving(h: Harness, model: str, batch: int = 16, limit: int = 4) -> dict[str, Any]:
     """A fake out-of-memory error for any micro-batch above ``limit`` rows."""
-    env = {
-        "VLMQ_BATCH": _policy(batch, wait_s=1.0),
-        "VLMQ_MODEL": model,
-        **Faults(oom_above_batch=limit).env(),
-        "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
-    }
-    h.worker("--modality", "text", "--no-celery", "--name", "small-gpu", **env)
-    h.wait_registered("small-gpu")
+    _faulty_worker(h, "small-gpu", model, batch, Faults(oom_above_batch=limit))
     job, ids = h.submit_text(batch)
     status = h.wait_job(job)
     sizes = [r.get("batch_size") for r in (h.client.result(i) for i in ids)]

@@ -5,7 +5,7 @@ the real media guard and the real engine (tiny Qwen2.5-VL on CPU).
         [--batch 16] [--write docs/reliability.md]
 
 Generated inputs come from the hypothesis strategies of
-``vlmq/workers/testing/faults/corpus.py``, driven by a ``@given`` function called here
+``tests/support/faults/corpus.py``, driven by a ``@given`` function called here
 (seeded, generate phase only): ``--examples`` conversations go through
 ``Request.model_validate`` and then ``Engine.run`` in batches of ``--batch``
 with valid batch-mates; ``--decode-examples`` byte strings go straight to
@@ -35,8 +35,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from bench.common import machine, replace_section
-from vlmq.config.settings import MediaSettings
-from vlmq.workers.testing.faults.corpus import (
+from tests.support.faults.corpus import (
     SUCCEEDED,
     Canary,
     FaultEnv,
@@ -55,6 +54,7 @@ from vlmq.workers.testing.faults.corpus import (
     media_settings,
     valid_mates,
 )
+from vlmq.config.settings import MediaSettings
 
 MARKER = "bad-input"
 HEADING = "# Reliability figures\n"
@@ -138,8 +138,8 @@ class _Batcher:
 
 
 def run(args: argparse.Namespace) -> Run:
+    from vlmq.workers.demo.tiny import build_tiny_model
     from vlmq.workers.engine import Engine
-    from vlmq.workers.testing.tiny import build_tiny_model
 
     tally, seconds = Tally(), {}
     with tempfile.TemporaryDirectory() as tmp, Canary() as canary, OutboundSpy() as spy:
@@ -235,7 +235,7 @@ def render(args: argparse.Namespace, result: Run) -> str:
         "metadata, private, decimal/hex/short IPv4 forms) with `allow_private_addresses` "
         "off, one local root, 4 MiB / 16 MiB byte caps, DNS only for `localhost` and "
         "numeric hosts; `max_new_tokens` cap 32. Corpus and strategies: "
-        "`vlmq/workers/testing/faults/corpus.py`.",
+        "`tests/support/faults/corpus.py`.",
         "",
         "| figure | measured | target |",
         "| --- | ---: | ---: |",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, replace_section
-from vlmq.workers.testing.localredis import LocalRedis
+from vlmq.producers.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 

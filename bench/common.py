@@ -65,7 +65,7 @@ def workload(
     kind: str, n: int, media_dir: Path, seed: int = 0, prompt_words: tuple[int, int] = (4, 24)
 ) -> list[Request]:
     """n requests of one modality class with varied prompt lengths."""
-    from vlmq.workers.testing.samples import save_image, save_video
+    from tests.support.samples import save_image, save_video
 
     rng = random.Random(seed)
     media_dir.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> str:
     for size in args.sizes:
         model_dir = workdir / f"{args.family}-{size}"
         if not (model_dir / "config.json").exists():
-            from vlmq.workers.testing.tiny import build_tiny_model
+            from vlmq.workers.demo.tiny import build_tiny_model
 
             build_tiny_model(model_dir, args.family, size=size)
         settings = EngineSettings(

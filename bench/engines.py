@@ -150,7 +150,7 @@ def main() -> None:
         args.out.write_text(json.dumps(report))
         return
     from bench.common import machine
-    from vlmq.workers.testing.tiny import build_tiny_model
+    from vlmq.workers.demo.tiny import build_tiny_model
 
     folder = Path(tempfile.mkdtemp())
     dtype = "bfloat16" if args.size == "real" else "float32"

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, replace_section
-from vlmq.workers.testing.faults import scenarios, worker_core
-from vlmq.workers.testing.faults.harness import Harness, faketime_library
+from tests.support.faults import scenarios, worker_core
+from tests.support.faults.harness import Harness, faketime_library
 
 FULL = {
     "kill_tasks": 2000,
@@ -57,7 +57,7 @@ def _run(
 
 
 def run(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    from vlmq.workers.testing.tiny import build_tiny_model
+    from vlmq.workers.demo.tiny import build_tiny_model
 
     model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "qwen", "qwen2_5_vl"))
     return {
@@ -135,7 +135,7 @@ def reply_drill(repeats: int, quick: bool) -> list[dict[str, Any]]:
     from tests.support.fleet import Processes
     from tests.support.reply_drill import DrillSizes, run_reply_drill
     from tests.support.replydrop import ReplyDropProxy
-    from vlmq.workers.testing.services import MotoServer, RedisServer
+    from tests.support.services import MotoServer, RedisServer
 
     # moto's server takes any credentials; this process reads results through it too.
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")

@@ -127,7 +127,7 @@ def _redis_cpu_s(redis: object) -> float:
 
 
 def measure(variant: str, tree: Path, tasks: int, workdir: Path) -> Run:
-    from vlmq.workers.testing.services import RedisServer
+    from tests.support.services import RedisServer
 
     server = RedisServer(workdir / "redis", appendonly=False).start()
     results = f"file://{workdir / 'results'}"

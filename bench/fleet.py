@@ -39,7 +39,7 @@ from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, MediaSettings, Settings
 from vlmq.config.wire import TASK_NAME, decode_message
 from vlmq.producers.client import Client
-from vlmq.workers.testing.localredis import LocalRedis
+from vlmq.producers.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "vlmq.text"
@@ -365,7 +365,7 @@ def measure_drain(bench: Bench, sizes: Sizes, report: Report) -> None:
 def _model_dir(workdir: Path) -> Path:
     model_dir = workdir / "qwen2_5_vl-small"
     if not (model_dir / "config.json").exists():
-        from vlmq.workers.testing.tiny import build_tiny_model
+        from vlmq.workers.demo.tiny import build_tiny_model
 
         _progress(f"building the small checkpoint in {model_dir}")
         build_tiny_model(model_dir, "qwen2_5_vl", size="small")

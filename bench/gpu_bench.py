@@ -7,7 +7,7 @@
     python -m bench.gpu_bench --build-only --device cpu --families qwen3_vl   # time a build
 
 Checkpoints have the published dimensions of Qwen2.5-VL-3B, Qwen3-VL-2B and InternVL3-2B-hf
-(``vlmq.workers.testing.tiny`` size "real") and random weights. They are built without the
+(``vlmq.workers.demo.tiny`` size "real") and random weights. They are built without the
 network, fast, by the one builder with its ``device`` option (``build_tiny_model(..., device=,
 dtype=)``): the model is instantiated on the meta device, materialised in the target dtype
 directly on the target device (``to_empty``), initialised there by the model's own
@@ -41,10 +41,10 @@ import torch
 from bench.common import machine, replace_section, require_success, run_in_batches, workload
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.demo.tiny import FAMILIES, build_tiny_model, count_parameters
 from vlmq.workers.engine import Engine
 from vlmq.workers.engine.model import flash_attention_available
 from vlmq.workers.engine.runner import free_device_memory
-from vlmq.workers.testing.tiny import FAMILIES, build_tiny_model, count_parameters
 
 __all__ = ["Budget", "Clock", "Plan", "build_checkpoint", "main", "run"]
 

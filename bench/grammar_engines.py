@@ -214,7 +214,7 @@ def measure(engine: Any, steps: int, rows: int = 16) -> dict[str, Any]:
 def _tiny_tokenizer(family: str) -> Any:
     from transformers import AutoTokenizer
 
-    from vlmq.workers.testing.tiny import build_tiny_model
+    from vlmq.workers.demo.tiny import build_tiny_model
 
     folder = Path(tempfile.mkdtemp()) / family
     build_tiny_model(folder, family)

@@ -5,7 +5,7 @@
 
 **Drain** (``--repeats`` of each, alternating): each measurement gets a fresh Sentinel setup
 on loopback (a master, one replica replicating directly, three sentinels:
-``vlmq.workers.testing.sentinel``), so every process goes through the ``redis+sentinel://``
+``tests.support.sentinel``), so every process goes through the ``redis+sentinel://``
 URL as a deployment would. ``submit_many`` enqueues ``--tasks`` text tasks, then ``--workers``
 no-op worker processes (``bench.jobs``' workers: batch 64, a local results folder) drain them,
 with ``VLMQ_FLEET__SETTLE_WAIT_REPLICAS`` 0 (off) or 1 (on, ``VLMQ_FLEET__SETTLE_WAIT_TIMEOUT_MS``
@@ -13,7 +13,7 @@ with ``VLMQ_FLEET__SETTLE_WAIT_REPLICAS`` 0 (off) or 1 (on, ``VLMQ_FLEET__SETTLE
 statuses); short WAITs are the worker log lines saying a settle was not on the replica in time.
 
 **Failover drills** (``--drills``, WAIT off and on alternating): the scenario of
-``tests/faults/test_sentinel.py`` (``vlmq.workers.testing.faults.failover``): a master, two
+``tests/faults/test_sentinel.py`` (``tests.support.faults.failover``): a master, two
 replicas, three sentinels (down-after 1000 ms), moto's S3 and one no-op worker; a third into a
 job of ``--drill-tasks``, replication is paused, and right after the next settle reaches the
 master its host dies (the replication links cut, dropping what they hold, then SIGKILL).
@@ -37,9 +37,9 @@ from typing import Any
 
 from bench.common import machine, replace_section
 from bench.jobs import _start_workers, _stop
+from tests.support.sentinel import SentinelCluster
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
-from vlmq.workers.testing.sentinel import SentinelCluster
 
 MARKER = "ha"
 
@@ -125,7 +125,7 @@ END_STATE = ("terminal", "result_objects", "lost", "disagreeing", "orphan_object
 def drill(wait: bool, workdir: Path, tasks: int) -> dict[str, Any]:
     import os
 
-    from vlmq.workers.testing.faults.failover import SentinelHarness, sentinel_failover
+    from tests.support.faults.failover import SentinelHarness, sentinel_failover
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")

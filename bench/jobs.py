@@ -44,7 +44,7 @@ from bench.common import machine, replace_section
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
-from vlmq.workers.testing.localredis import LocalRedis
+from vlmq.producers.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "bench-job"

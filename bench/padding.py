@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.workdir).resolve() / f"qwen2_5_vl-{args.model_size}"
     if not (model_dir / "config.json").exists():
-        from vlmq.workers.testing.tiny import build_tiny_model
+        from vlmq.workers.demo.tiny import build_tiny_model
 
         build_tiny_model(model_dir, "qwen2_5_vl", size=args.model_size)
     requests = mixed_workload(args.n)

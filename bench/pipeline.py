@@ -61,7 +61,7 @@ MARKER = "pipeline"
 NEW_TOKENS = 16
 BATCH = {"image": 16, "video": 8}
 # 5 ms per micro-batch + 4 ms per decode step + 20 us per prompt token, visual tokens included
-# (H200-like for a 2-3B model: workers/testing/noop.py). Figures before prompt tokens were
+# (H200-like for a 2-3B model: workers/engine/noop.py). Figures before prompt tokens were
 # charged used "0.015,0.004" (no per-token cost: video prefill was free).
 SIMULATE = "0.005,0.004,0.00002"
 
@@ -133,7 +133,7 @@ class Services:
 def services() -> Iterator[Services]:
     from vlmq.config.settings import Settings
     from vlmq.producers.client import Client
-    from vlmq.workers.testing.localredis import LocalRedis
+    from vlmq.producers.localredis import LocalRedis
 
     with tempfile.TemporaryDirectory(prefix="vlmq-bench-pipeline-") as name:
         tmp = Path(name)

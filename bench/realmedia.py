@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmq.workers.testing.samples import make_image, make_video_bytes
+from tests.support.samples import make_image, make_video_bytes
 
 __all__ = ["MEDIA_DIR", "clips", "photos"]
 

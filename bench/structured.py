@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from bench.common import machine
+from tests.support.samples import save_image
 from vlmq.config.constraints import Constraint, json_schema_grammar
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, MediaSettings
-from vlmq.workers.testing.samples import save_image
-from vlmq.workers.testing.tiny import build_tiny_model
+from vlmq.workers.demo.tiny import build_tiny_model
 
 NEW_TOKENS = 32
 LONG_TEXT: dict[str, Any] = {

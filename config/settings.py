@@ -18,7 +18,6 @@ __all__ = [
     "ApiSettings",
     "BatchPolicy",
     "EngineSettings",
-    "FaultInjection",
     "FleetSettings",
     "FrameStoreSettings",
     "MediaSettings",
@@ -250,47 +249,6 @@ class MediaSettings(BaseModel):
     )
 
 
-# Exit status of a worker killed on purpose by FaultInjection.crash_marker.
-EXIT_INJECTED_CRASH = 86
-
-
-class FaultInjection(BaseModel):
-    """Testing only: deterministic faults, so the GPU and fleet failure paths run on CPU."""
-
-    oom_above_batch: int | None = Field(
-        None,
-        description="Testing only: raise an out-of-memory error for any micro-batch larger "
-        "than this.",
-    )
-    poison_marker: str | None = Field(
-        None,
-        description="Testing only: generate raises for any micro-batch holding a request "
-        "whose text contains this marker (a poison request, for bisection tests).",
-    )
-    crash_marker: str | None = Field(
-        None,
-        description="Testing only: the worker process exits abruptly (as a segfault or an "
-        "OOM kill would) when a batch holds a request whose text contains this marker.",
-    )
-    prepare_crash_marker: str | None = Field(
-        None,
-        description="Testing only: the same while such a request is prepared, before it "
-        "starts (a native decoder crash or an OOM kill while decoding).",
-    )
-    settle_errors: int = Field(
-        0,
-        ge=0,
-        description="Testing only: the first N settles of a worker raise an unexpected error "
-        "(a bug in settling).",
-    )
-    heartbeat_error_at: int | None = Field(
-        None,
-        ge=1,
-        description="Testing only: the worker's Nth heartbeat raises an unexpected error (a "
-        "bug in the renewal thread).",
-    )
-
-
 class VllmSettings(BaseModel):
     """The vLLM engine's own settings (``VLMQ_ENGINE__BACKEND=vllm``; docs/engines.md)."""
 
@@ -410,11 +368,6 @@ class EngineSettings(BaseModel):
         description="Benchmarks only: every row generates exactly max_new_tokens "
         "(min_new_tokens = max_new_tokens), so random-weight checkpoints that emit EOS "
         "early still do comparable work.",
-    )
-    faults: FaultInjection = Field(
-        default_factory=FaultInjection,
-        description="Testing only: deterministic faults, so the GPU and fleet failure paths "
-        "run on CPU. Never in production.",
     )
 
 

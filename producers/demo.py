@@ -24,7 +24,7 @@ from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
 from vlmq.producers.examples import make_examples
-from vlmq.workers.testing.localredis import LocalRedis
+from vlmq.producers.localredis import LocalRedis
 
 __all__ = ["demo"]
 

@@ -29,7 +29,7 @@ def make_examples(directory: Path = DEFAULT_DIR) -> Path:
     """Write the example media (if missing) and the resolved request file under
     ``directory``; returns the request file."""
     # Pillow and PyAV are worker-side dependencies: imported only here.
-    from vlmq.workers.testing.samples import data_uri, make_image, save_image, save_video
+    from vlmq.workers.demo.media import data_uri, make_image, save_image, save_video
 
     directory = directory.resolve()
     media = directory / "media"

@@ -22,9 +22,9 @@ import pytest
 import redis
 from filelock import FileLock
 
+from tests.support.services import MotoServer, RedisServer
 from vlmq.config.connection import create_redis
 from vlmq.config.settings import Settings
-from vlmq.workers.testing.services import MotoServer, RedisServer
 
 TIERS = ("unit", "integration", "e2e", "faults", "vllm")
 # Tiers that run several real processes against deadlines on a shared 2-core
@@ -97,7 +97,7 @@ class Checkpoints:
         done = self.root / f"{folder.name}.built"
         with FileLock(str(folder) + ".lock"):
             if not done.exists():
-                from vlmq.workers.testing.tiny import build_tiny_model  # torch: only when used
+                from vlmq.workers.demo.tiny import build_tiny_model  # torch: only when used
 
                 build_tiny_model(folder, family, size, seed=seed)
                 done.touch()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -14,10 +16,22 @@ import click
 from vlmq.config.jsonl import ParsedLine, read_requests
 from vlmq.config.settings import Settings
 
-__all__ = ["build_tiny_model", "run", "run_file", "serve", "worker", "worker_engine"]
+__all__ = [
+    "TEST_HOOK_ENV",
+    "build_tiny_model",
+    "run",
+    "run_file",
+    "run_test_hook",
+    "serve",
+    "worker",
+    "worker_engine",
+]
+
+# Names a module the worker hands its engine to before it is built (run_test_hook).
+TEST_HOOK_ENV = "VLMQ_TEST_HOOK"
 
 # --engine simulated: 5 ms per micro-batch, 4 ms per decode step, 20 us per prompt token (an
-# H200 serving a 2-3B VLM; the arithmetic is in workers/testing/noop.py, SIMULATE_DEFAULT).
+# H200 serving a 2-3B VLM; the arithmetic is in workers/engine/noop.py, SIMULATE_DEFAULT).
 SIMULATE_DEFAULT = "0.005,0.004,0.00002"
 
 
@@ -53,7 +67,7 @@ def build_tiny_model(
     directory: Path, family: str, size: str, seed: int, device: str | None, dtype: str
 ) -> None:
     """Build a deterministic random-weight checkpoint of a real VLM architecture, offline."""
-    from vlmq.workers.testing.tiny import build_tiny_model as build
+    from vlmq.workers.demo.tiny import build_tiny_model as build
 
     started = time.perf_counter()
     path = build(directory, family=family, size=size, seed=seed, device=device, dtype=dtype)
@@ -171,13 +185,9 @@ def worker_engine(
 ) -> Any:
     """The engine ``vlmq worker --engine KIND`` serves with (not set up yet)."""
     if kind == "noop":
-        from vlmq.workers.testing.noop import NoopEngine, PrepareCrash
+        from vlmq.workers.engine.noop import NoopEngine
 
-        faults = settings.engine.faults
-        engine = NoopEngine(noop_delay_s, crash_marker=faults.crash_marker)
-        if faults.prepare_crash_marker:
-            return PrepareCrash(engine, faults.prepare_crash_marker)
-        return engine
+        return NoopEngine(noop_delay_s)
     from vlmq.workers.engine import engine_for_backend
     from vlmq.workers.media.fleet import fleet_loader
 
@@ -188,7 +198,7 @@ def worker_engine(
         backend, settings.model, settings.engine, loader.settings, loader=loader
     )
     if kind == "simulated":
-        from vlmq.workers.testing.noop import SimulatedAccelerator, parse_simulate
+        from vlmq.workers.engine.noop import SimulatedAccelerator, parse_simulate
 
         try:
             prefill_s, step_s, token_s = parse_simulate(simulate)
@@ -264,9 +274,9 @@ def worker(
         _serve_prepare(settings, modalities, name, engine_kind, celery)
         return
     kind = engine_kind or settings.engine.backend
-    service = WorkerService(
-        settings, modalities, worker_engine(kind, settings, noop_delay, simulate), name=name
-    ).setup()
+    engine = worker_engine(kind, settings, noop_delay, simulate)
+    run_test_hook(engine)
+    service = WorkerService(settings, modalities, engine, name=name).setup()
     serve(settings, service, celery)
 
 
@@ -290,6 +300,15 @@ def _serve_prepare(
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     serve(settings, service, celery)
+
+
+def run_test_hook(engine: Any) -> None:
+    """Hand the engine to the module ``VLMQ_TEST_HOOK`` names (its ``install(engine)``) before
+    the worker is built: how the test suite injects faults into a worker process
+    (tests/support/faults/inject.py). Unset, as in production, nothing is imported."""
+    name = os.environ.get(TEST_HOOK_ENV)
+    if name:
+        importlib.import_module(name).install(engine)
 
 
 def serve(settings: Settings, service: Any, celery: bool = True) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tests.e2e.conftest import vlmq
 from tests.e2e.test_fleet import BATCH16, NOOP, _client, _ready
-from vlmq.workers.testing.samples import save_image, save_video
-from vlmq.workers.testing.services import wait_until
+from tests.support.samples import save_image, save_video
+from tests.support.services import wait_until
 
 
 def _run(*args: str, env: dict) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.e2e.conftest import vlmq
 from tests.e2e.test_fleet import _client
-from vlmq.workers.testing.services import wait_until
+from tests.support.services import wait_until
 
 
 def _json_lines(text: str) -> list[dict[str, Any]]:

@@ -6,12 +6,13 @@ import json
 import signal
 from typing import Any
 
+from tests.support.faults.inject import Faults
+from tests.support.samples import save_image, save_video
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.config.usage import usage_report
 from vlmq.producers.client import Client
-from vlmq.workers.testing.samples import save_image, save_video
-from vlmq.workers.testing.services import wait_until
 
 
 def _policy(size: int, wait: float = 0.05) -> dict:
@@ -208,7 +209,7 @@ def _only_the_poison_dead_lettered(client: Client, job: str, deaths: int) -> Non
 def test_a_request_that_kills_its_worker_is_dead_lettered(fleet, fleet_env):
     client = _client(fleet_env)
     job = _submit_text(client, 6, marker="CRASH-ME")
-    env = {**BATCH16, "VLMQ_ENGINE__FAULTS__CRASH_MARKER": "CRASH-ME"}
+    env = {**BATCH16, **Faults(crash_marker="CRASH-ME").env()}
     deaths = _deaths_until_finished(fleet, client, job, env, most=5)
     _only_the_poison_dead_lettered(client, job, deaths)
     assert deaths == 3  # the first batch, then the suspect alone twice
@@ -221,7 +222,7 @@ def test_a_request_that_kills_its_worker_before_it_starts_is_isolated(fleet, fle
     not its batch."""
     client = _client(fleet_env)
     job = _submit_text(client, 6, marker="CRASH-ME")
-    env = {**BATCH16, "VLMQ_ENGINE__FAULTS__PREPARE_CRASH_MARKER": "CRASH-ME"}
+    env = {**BATCH16, **Faults(prepare_crash_marker="CRASH-ME").env()}
     deaths = _deaths_until_finished(fleet, client, job, env, most=7)
     _only_the_poison_dead_lettered(client, job, deaths)
     assert deaths == 5  # the batch twice, then the suspect alone three times

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 from tests.e2e.conftest import vlmq
-from vlmq.workers.testing.samples import save_image, save_video
+from tests.support.samples import save_image, save_video
 
 
 def test_run_writes_one_line_per_input_line(tmp_path, tiny_model):

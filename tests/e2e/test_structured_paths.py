@@ -1,4 +1,4 @@
-"""Issue 13's mixed batch (``workers/testing/structured.py``: a JSON schema, json_object,
+"""Issue 13's mixed batch (``tests/support/structured.py``: a JSON schema, json_object,
 regex, choice, n=3, logprobs and two plain rows) through ``vlmq run`` on every family and
 through the fleet (real worker process, real Redis, moto S3); every result must honour its
 line (``check_record``), in vlmq's record shape and as an OpenAI chat completion."""
@@ -16,11 +16,11 @@ import pytest
 
 from tests.e2e.conftest import vlmq
 from tests.e2e.test_fleet import _client, _job_finished, _policy
+from tests.support.samples import save_image
+from tests.support.services import wait_until
+from tests.support.structured import check_record, mixed_lines, openai_line
 from vlmq.producers.commands import write_results
 from vlmq.producers.export import to_chat_completion
-from vlmq.workers.testing.samples import save_image
-from vlmq.workers.testing.services import wait_until
-from vlmq.workers.testing.structured import check_record, mixed_lines, openai_line
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 CUSTOM_IDS = [line["custom_id"] for line in mixed_lines("x.png")]

@@ -2,7 +2,7 @@
 Qwen2.5-VL checkpoint on CPU): no worker crash, one result per request, a
 clear error for every failure, and zero SSRF canary hits.
 
-The corpus and the strategies live in ``workers/testing/faults/corpus.py``;
+The corpus and the strategies live in ``tests/support/faults/corpus.py``;
 ``python -m bench.bad_input`` runs the same checks on ~2,000 generated inputs.
 """
 
@@ -17,11 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from vlmq.config.errors import InvalidRequest
-from vlmq.config.schemas import Request
-from vlmq.config.settings import MediaSettings
-from vlmq.workers.media.fetch import MediaFetcher
-from vlmq.workers.testing.faults.corpus import (
+from tests.support.faults.corpus import (
     ALLOWLISTED_HOSTS,
     REJECTED,
     S3_BUCKET,
@@ -43,6 +39,10 @@ from vlmq.workers.testing.faults.corpus import (
     message_problems,
     valid_mates,
 )
+from vlmq.config.errors import InvalidRequest
+from vlmq.config.schemas import Request
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.fetch import MediaFetcher
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vlmq.workers.testing.faults import scenarios
-from vlmq.workers.testing.faults.harness import Harness
+from tests.support.faults import scenarios
+from tests.support.faults.harness import Harness
 
 
 @pytest.fixture

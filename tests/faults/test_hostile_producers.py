@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from tests.support.fleet import TERMINAL_STATES, Processes, celery_message
+from tests.support.services import wait_until
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.keys import Keys
-from vlmq.workers.testing.services import wait_until
 
 PLAIN_QUEUE = "vlmq.text"  # where a plain send_task(queue="vlmq.text") lands
 

@@ -20,12 +20,12 @@ import pytest
 
 from tests.support.fleet import TERMINAL_STATES, Processes, write_jsonl
 from tests.support.replydrop import ReplyDropProxy, Rule
+from tests.support.services import wait_until
 from vlmq.config.errors import QuotaExceeded
 from vlmq.config.keys import Keys
 from vlmq.config.status import TaskState
 from vlmq.producers.api.limits import RateLimiter
 from vlmq.producers.bulk import feeder_for, submit_jsonl
-from vlmq.workers.testing.services import wait_until
 
 
 @pytest.fixture

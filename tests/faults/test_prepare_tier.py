@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from tests.support.fleet import Processes
+from tests.support.samples import make_video_bytes, save_image
+from tests.support.services import wait_until
 from vlmq.config.queues import prepare_backlog
 from vlmq.producers.client import Client
-from vlmq.workers.testing.samples import make_video_bytes, save_image
-from vlmq.workers.testing.services import wait_until
 
 pytestmark = pytest.mark.faults
 

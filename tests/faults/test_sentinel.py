@@ -15,14 +15,14 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from redis.sentinel import Sentinel
 
+from tests.support.faults.failover import SentinelHarness, sentinel_failover
+from tests.support.sentinel import DataNode
+from tests.support.services import wait_until
 from vlmq.config.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.scripts import Scripts, Wait
 from vlmq.config.settings import Settings
 from vlmq.workers.fleet.celery_app import make_app
-from vlmq.workers.testing.faults.failover import SentinelHarness, sentinel_failover
-from vlmq.workers.testing.sentinel import DataNode
-from vlmq.workers.testing.services import wait_until
 
 # From the kill to the first task settled on the new master: sentinel detection
 # (down-after 1000 ms) + election + promotion, then the worker's reconnect. Measured 2.2-2.5 s

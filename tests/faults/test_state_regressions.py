@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from tests.support.fleet import Processes, write_jsonl
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
-from vlmq.workers.testing.services import wait_until
 
 INTERACTIVE = Keys().queue("text", "interactive")
 # A dead worker's heartbeat record is gone within this long (about 6 of the tests' 3 s leases).

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from vlmq.workers.testing.faults import worker_core
-from vlmq.workers.testing.faults.harness import Harness, faketime_library
+from tests.support.faults import worker_core
+from tests.support.faults.harness import Harness, faketime_library
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_sigterm_drains_the_running_batch_and_gives_prefetched_work_straight_bac
 ) -> None:
     import signal
 
-    from vlmq.workers.testing.faults import pipeline
+    from tests.support.faults import pipeline
 
     figures = pipeline.stopped_with_prefetched_work(harness, signal.SIGTERM)
     _all_done_once(figures, 24)
@@ -117,7 +117,7 @@ def test_sigterm_drains_the_running_batch_and_gives_prefetched_work_straight_bac
 def test_sigkill_with_prefetched_work_reruns_only_the_running_batch(harness: Harness) -> None:
     import signal
 
-    from vlmq.workers.testing.faults import pipeline
+    from tests.support.faults import pipeline
 
     figures = pipeline.stopped_with_prefetched_work(harness, signal.SIGKILL)
     _all_done_once(figures, 24)

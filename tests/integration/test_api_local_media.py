@@ -22,10 +22,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.support.blocking import fifo, within
+from tests.support.samples import save_image
 from vlmq.config.settings import Settings, TenantQuota, TenantSettings
 from vlmq.producers.api.app import create_app
 from vlmq.producers.client import Client
-from vlmq.workers.testing.samples import save_image
 
 PROMPT_S = 20.0  # what "at once" may take on a loaded machine; a blocked read never ends
 

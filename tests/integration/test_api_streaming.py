@@ -25,6 +25,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_api_support import api_settings, wait_for_state, worker_loop
+from tests.support.services import free_port, wait_until
 from vlmq.config import results
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.settings import Settings
@@ -34,7 +35,6 @@ from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.api.batch_work import BatchWork, output_file_ids
 from vlmq.producers.api.files import FileRegistry, FileTooLarge, content_key
 from vlmq.producers.client import Client
-from vlmq.workers.testing.services import free_port, wait_until
 
 MiB = 1024 * 1024
 # The uploaded file, and how much the API process may grow while it passes through

@@ -21,12 +21,12 @@ from tests.integration.test_api_support import (
     wait_for_state,
     worker_loop,
 )
+from tests.support.samples import save_image
+from tests.support.structured import check_record, mixed_lines, openai_line
 from vlmq.config.settings import EngineSettings, Settings
 from vlmq.producers.api.app import create_app
 from vlmq.workers.engine import Engine
 from vlmq.workers.media.fleet import fleet_loader
-from vlmq.workers.testing.samples import save_image
-from vlmq.workers.testing.structured import check_record, mixed_lines, openai_line
 
 KEY = "test-key-0123456789"
 

@@ -13,9 +13,9 @@ from typing import Any
 import uvicorn
 
 from tests.integration.test_fleet_loop import make_loop
+from tests.support.services import free_port, wait_until
 from vlmq.config.schemas import FinishReason, Result, Usage
 from vlmq.config.settings import ApiSettings, BatchPolicy, Settings
-from vlmq.workers.testing.services import free_port, wait_until
 
 __all__ = ["EchoEngine", "api_settings", "serving", "uvicorn_server", "worker_loop"]
 

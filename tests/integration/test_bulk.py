@@ -12,13 +12,13 @@ from typing import ClassVar
 import pytest
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import WebhookSettings
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.commands import write_results
 from vlmq.producers.export import iter_results, job_summary
-from vlmq.workers.testing.services import wait_until
 
 
 def _line(i: int, kind: str = "text", fmt: str = "vlmq") -> str:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from tests.integration.test_fleet_loop import Running, _intake_and_leases, _job_done, make_loop
+from tests.support.continuous import StepEngine
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import BatchPolicy, Settings
 from vlmq.producers.client import Client
-from vlmq.workers.testing.continuous import StepEngine
-from vlmq.workers.testing.services import wait_until
 
 
 def _text(i: int, tokens: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from tests.support.services import wait_until
 from vlmq.config.feeding import Feeder
 from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
@@ -25,7 +26,6 @@ from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.commands import submit as submit_command
 from vlmq.producers.export import iter_errors, iter_results, job_summary
-from vlmq.workers.testing.services import wait_until
 
 KEYS = Keys()
 

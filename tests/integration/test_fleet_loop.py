@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import pytest
 from celery import Celery
 
+from tests.support.services import wait_until
 from vlmq.config.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
@@ -20,7 +21,6 @@ from vlmq.config.status import TaskState
 from vlmq.config.wire import decode_message
 from vlmq.producers.client import Client
 from vlmq.workers.fleet.service import compose_loop
-from vlmq.workers.testing.services import wait_until
 
 
 class RecordingEngine:

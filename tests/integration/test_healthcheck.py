@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from tests.support.services import free_port, wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import BatchPolicy, FleetSettings, Settings
+from vlmq.workers.engine.noop import NoopEngine
 from vlmq.workers.fleet.service import WorkerService
-from vlmq.workers.testing.noop import NoopEngine
-from vlmq.workers.testing.services import free_port, wait_until
 
 
 def healthcheck(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:

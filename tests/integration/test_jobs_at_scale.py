@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from tests.support.services import wait_until
 from vlmq.config.feeding import FeedCounts
 from vlmq.config.keys import Keys
 from vlmq.config.queues import lane_depths, queue_depth, queue_lists
@@ -19,7 +20,6 @@ from vlmq.config.settings import Settings
 from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import job_summary
-from vlmq.workers.testing.services import wait_until
 
 
 def _line(i: int, custom_id: bool = True) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,26 @@ def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:
         for module in (ROOT / folder).rglob("*.py"):
             assert f"vlmq/{module.relative_to(ROOT)}" in names, module
     assert "vlmq/examples/requests.jsonl" in names
+
+
+# What only tests and drills use: the checkout's tests/support, and by name any fault, drill,
+# proxy or Sentinel module wherever it would hide.
+_TEST_ONLY = re.compile(r"(^|/)(tests?|testing|support)/|fault|drill|proxy|sentinel|inject")
+
+
+def test_the_wheel_holds_no_test_or_drill_code(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    modules = [n for n in names if n.startswith("vlmq/")]
+    assert not [n for n in modules if _TEST_ONLY.search(n)]
+    # No copy of a tests/support module under another name either.
+    with zipfile.ZipFile(wheel) as built:
+        shipped = {built.read(n) for n in modules if n.endswith(".py")}
+    for module in (ROOT / "tests" / "support").rglob("*.py"):
+        assert module.name == "__init__.py" or module.read_bytes() not in shipped, module
+    # What the product runs itself is in: the demo's checkpoints, media and the no-op engine.
+    for name in ("workers/demo/tiny/builder.py", "workers/demo/media.py", "workers/engine/noop.py"):
+        assert f"vlmq/{name}" in names
+    assert "vlmq/workers/demo/tiny/corpus.txt" in names
 
 
 def _app_dir(tmp_path: Path) -> Path:

@@ -10,11 +10,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation, make_loop
+from tests.support.services import wait_until
 from vlmq.config.logs import JsonFormatter, configure_logging, log_context
 from vlmq.config.settings import BatchPolicy
 from vlmq.producers.client import Client
 from vlmq.workers.fleet.metrics import WorkerMetrics
-from vlmq.workers.testing.services import wait_until
 
 
 def _value(text: str, name: str, **labels: str) -> float:

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation, make_loop
+from tests.support.samples import save_image, save_video
+from tests.support.services import wait_until
 from vlmq.config.schemas import Request
 from vlmq.config.settings import (
     BatchPolicy,
@@ -22,12 +24,10 @@ from vlmq.config.settings import (
     WorkerSettings,
 )
 from vlmq.producers.client import Client
+from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.engine import Engine
 from vlmq.workers.engine.interface import Collated, RunOnlyEngine
 from vlmq.workers.engine.prepare import Prepared
-from vlmq.workers.testing.samples import save_image, save_video
-from vlmq.workers.testing.services import wait_until
-from vlmq.workers.testing.tiny import FAMILIES
 
 
 def _with(settings: Settings, batch_size: int = 8, wait_s: float = 0.02, **worker: Any) -> Settings:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from tests.support.samples import save_image, save_video
 from vlmq.config.keys import Keys
 from vlmq.producers.cli import cli
-from vlmq.workers.testing.samples import save_image, save_video
 
 # Commands a read of the heartbeat hash may send (connection setup included).
 _READS = {"hgetall", "client", "hello", "ping", "info", "select"}

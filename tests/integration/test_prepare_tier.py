@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tests.support.samples import make_video_bytes, save_image
+from tests.support.services import wait_until
 from vlmq.config.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.queues import prepare_backlog, queue_depth
@@ -24,8 +26,6 @@ from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.prepare_tier import PrepareLoop, Targets, model_targets
 from vlmq.workers.fleet.service import compose_loop, compose_prepare_loop
 from vlmq.workers.media.fleet import fleet_loader
-from vlmq.workers.testing.samples import make_video_bytes, save_image
-from vlmq.workers.testing.services import wait_until
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 

@@ -13,11 +13,11 @@ import pytest
 from tests.integration.test_api_support import EchoEngine, worker_loop
 from tests.integration.test_feeding import _feeding
 from tests.integration.test_fleet_loop import _job_done
+from tests.support.services import wait_until
 from vlmq.config.errors import QuotaExceeded
 from vlmq.config.settings import TenantQuota, TenantSettings
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.client import Client
-from vlmq.workers.testing.services import wait_until
 
 
 def _text(n: int) -> list[dict[str, Any]]:

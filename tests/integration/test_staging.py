@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from tests.integration.test_fleet_loop import Running, make_loop
+from tests.support.samples import data_uri, make_image, save_image, save_video
+from tests.support.services import wait_until
 from vlmq.config.errors import MediaForbidden, StagingRefused
 from vlmq.config.results import BlobWriter, open_store
 from vlmq.config.settings import EngineSettings, MediaSettings, Settings
@@ -19,8 +21,6 @@ from vlmq.config.staging import split_s3_url
 from vlmq.producers.client import Client, as_request
 from vlmq.workers.engine import Engine
 from vlmq.workers.media.fleet import fleet_loader
-from vlmq.workers.testing.samples import data_uri, make_image, save_image, save_video
-from vlmq.workers.testing.services import wait_until
 
 
 @pytest.fixture(scope="module")

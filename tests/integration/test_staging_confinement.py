@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from tests.support.samples import data_uri, save_image
 from vlmq.config.staging import split_s3_url
 from vlmq.producers.cli import cli
 from vlmq.producers.client import Client
 from vlmq.producers.export import iter_line_errors, job_summary
-from vlmq.workers.testing.samples import data_uri, save_image
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.integration.test_api_support import worker_loop
 from tests.integration.test_fleet_loop import _job_done
+from tests.support.services import wait_until
 from vlmq.config.schemas import FinishReason, Result, Usage
 from vlmq.config.settings import ApiSettings
 from vlmq.config.state import State
@@ -25,7 +26,6 @@ from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.cli import cli
 from vlmq.producers.client import Client
 from vlmq.workers.fleet.metrics import WorkerMetrics
-from vlmq.workers.testing.services import wait_until
 
 KEY_A, KEY_B, ADMIN = "key-of-team-a-0123456789", "key-of-team-b-0123456789", "admin-key-0123456789"
 

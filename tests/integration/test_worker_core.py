@@ -18,6 +18,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from tests.support.services import wait_until
+from tests.support.webhook_receiver import HookReceiver
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.settings import ApiSettings, Settings, WebhookSettings
@@ -25,8 +27,6 @@ from vlmq.config.wire import encode_message
 from vlmq.producers.api.app import create_app
 from vlmq.producers.client import Client
 from vlmq.workers.fleet.webhooks import WebhookSender
-from vlmq.workers.testing.hooks import HookReceiver
-from vlmq.workers.testing.services import wait_until
 
 _MESSAGE = {"messages": [{"role": "user", "content": "hello"}]}
 

@@ -18,12 +18,12 @@ from typing import Any
 import redis
 
 from tests.e2e.conftest import fleet_environment, vlmq
+from tests.support.faults.harness import batch_policy
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL
 from vlmq.producers.client import Client
-from vlmq.workers.testing.faults.harness import batch_policy
-from vlmq.workers.testing.services import wait_until
 
 __all__ = ["TERMINAL_STATES", "Processes", "celery_message", "write_jsonl"]
 

@@ -28,13 +28,13 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from tests.support.faults.harness import batch_policy
 from tests.support.fleet import Processes, write_jsonl
 from tests.support.replydrop import ReplyDropProxy, Rule
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.producers.api.app import create_app
 from vlmq.producers.client import Client
-from vlmq.workers.testing.faults.harness import batch_policy
-from vlmq.workers.testing.services import wait_until
 
 __all__ = ["DrillFigures", "DrillSizes", "run_reply_drill"]
 

@@ -1,6 +1,6 @@
 """A reply-dropping proxy between a process and Redis: the command runs, its reply is lost.
 
-A TCP forwarder on loopback (``listen_on`` / ``close_all`` of vlmq.workers.testing.proxy) that
+A TCP forwarder on loopback (``listen_on`` / ``close_all`` of tests.support.proxy) that
 reads RESP both ways: the commands a client sends (pipelines and MULTI/EXEC included: one
 command at a time, in order) and the replies Redis sends back, matched first in, first out to
 the commands of that connection (a reply is the answer to the oldest command not answered yet;
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from vlmq.workers.testing.proxy import close_all, listen_on
-from vlmq.workers.testing.services import free_port, wait_until
+from tests.support.proxy import close_all, listen_on
+from tests.support.services import free_port, wait_until
 
 __all__ = [
     "FrameScanner",

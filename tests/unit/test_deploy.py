@@ -287,7 +287,7 @@ def test_every_setting_is_documented_in_env_example():
     names = settings_variables()
     # The walk itself reaches nested models.
     assert {"VLMQ_ENGINE__MAX_BATCH_SIZE", "VLMQ_FLEET__LEASE_S", "VLMQ_BATCH"} <= names
-    assert "VLMQ_ENGINE__FAULTS__OOM_ABOVE_BATCH" in names
+    assert not any("FAULTS" in name for name in names)  # a test hook, not a setting
     missing = names - documented()
     assert not missing, f"document in .env.example: {sorted(missing)}"
 

@@ -12,6 +12,7 @@ import torch
 import torchvision.io
 from PIL import Image
 
+from tests.support.samples import encode, make_image
 from vlmq.config.errors import MediaDecodeFailed
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media import Downscale, MediaCache, MediaLoader, decode_image
@@ -24,7 +25,6 @@ from vlmq.workers.media.device import (
     torchcodec_available,
     video_route,
 )
-from vlmq.workers.testing.samples import encode, make_image
 
 pytestmark = pytest.mark.unit
 

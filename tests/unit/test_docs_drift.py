@@ -43,8 +43,8 @@ OPTION = re.compile(r"^\[?(--?[A-Za-z][A-Za-z0-9-]*)")
 VARIABLE = re.compile(r"\bVLMQ_[A-Z0-9_]*[A-Z0-9]")
 DOC_PATH = re.compile(r"\bdocs/[a-z0-9_-]+\.md\b")
 MODULE = re.compile(r"python3? -m ((?:bench|tests|vlmq)(?:\.[a-z_0-9]+)*)")
-# A repository path in code (config/feeding.py, workers/testing/tiny/NOTES.md, tests/faults/),
-# and a module of the package (vlmq.workers.testing.faults; queue names such as vlmq.image are
+# A repository path in code (config/feeding.py, workers/demo/tiny/NOTES.md, tests/faults/),
+# and a module of the package (tests.support.faults; queue names such as vlmq.image are
 # not modules).
 REPO_PATH = re.compile(
     r"(?<![\w./-])((?:config|producers|workers|tests|bench|docker|examples|docs|vlmq|\.ci)/[\w./-]*\w)"
@@ -220,10 +220,16 @@ def known_variables() -> set[str]:
     delimiter = config["env_nested_delimiter"]
     assert prefix and delimiter
     compose = (ROOT / "docker-compose.yml").read_text()
+    # The test suite's hook into a worker process: documented for contributors, no setting.
+    hook = set(
+        re.findall(r'TEST_HOOK_ENV = "(VLMQ_[A-Z_]+)"', (ROOT / "workers/cli.py").read_text())
+    )
+    assert hook, "workers/cli.py names its test hook's variable in TEST_HOOK_ENV"
     return (
         setting_names(Settings, prefix, delimiter)
         | cli_variables(cli)
         | set(re.findall(r"\$\{(VLMQ_[A-Z0-9_]+)", compose))
+        | hook
     )
 
 

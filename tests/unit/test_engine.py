@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.faults.inject import Faults, injected
+from tests.support.samples import data_uri, save_image, save_video
 from vlmq.config.schemas import Request
-from vlmq.config.settings import EngineSettings, FaultInjection, MediaSettings
-from vlmq.workers.testing.samples import data_uri, save_image, save_video
+from vlmq.config.settings import EngineSettings, MediaSettings
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 
@@ -157,9 +158,10 @@ def _texts(n):
 
 
 def test_injected_oom_halves_and_completes(qwen, media):
-    engine = _engine(qwen, media, faults=FaultInjection(oom_above_batch=2))
+    engine = _engine(qwen, media)
     batch = _texts(8)
-    results = engine.run(batch)
+    with injected(Faults(oom_above_batch=2)):
+        results = engine.run(batch)
     assert [r.status for r in results] == ["succeeded"] * 8
     assert max(r.batch_size for r in results) <= 2
     assert engine.stats.oom_splits >= 2
@@ -168,16 +170,17 @@ def test_injected_oom_halves_and_completes(qwen, media):
 
 
 def test_oom_at_batch_of_one_fails_that_request(qwen, media):
-    engine = _engine(qwen, media, faults=FaultInjection(oom_above_batch=0))
-    results = engine.run(_texts(2))
+    with injected(Faults(oom_above_batch=0)):
+        results = _engine(qwen, media).run(_texts(2))
     assert {r.error["code"] for r in results} == {"out_of_memory"}
 
 
 def test_bisection_isolates_a_poison_request(qwen, media):
-    engine = _engine(qwen, media, faults=FaultInjection(poison_marker="POISON"))
+    engine = _engine(qwen, media)
     batch = _texts(8)
     batch[5] = _req("this one is POISON")
-    results = engine.run(batch)
+    with injected(Faults(poison_marker="POISON")):
+        results = engine.run(batch)
     assert [r.status for r in results].count("succeeded") == 7
     assert results[5].error["code"] == "generation_failed"
     assert engine.stats.bisections >= 3

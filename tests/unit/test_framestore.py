@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from tests.support.samples import make_image, make_video_bytes, save_image
 from vlmq.config.results import FileStore
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettings
+from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader
 from vlmq.workers.media.decode import Sampling
 from vlmq.workers.media.framecodec import (
@@ -24,8 +26,6 @@ from vlmq.workers.media.framecodec import (
     zstd_available,
 )
 from vlmq.workers.media.framestore import FrameStore, content_id, open_frame_store, staged_digest
-from vlmq.workers.testing.samples import make_image, make_video_bytes, save_image
-from vlmq.workers.testing.tiny import FAMILIES
 
 pytestmark = pytest.mark.unit
 

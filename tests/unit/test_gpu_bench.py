@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bench import gpu_bench
-from vlmq.workers.testing.tiny import FAMILIES, count_parameters
+from vlmq.workers.demo.tiny import FAMILIES, count_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 # Published parameter counts of Qwen2.5-VL-3B, Qwen3-VL-2B, InternVL3-2B (in billions).

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from tests.support.samples import data_uri, make_video_bytes, read_frame_code
 from vlmq.config.errors import InvalidRequest, MediaTooLarge
 from vlmq.config.schemas import Request
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media import MediaCache, MediaLoader, decode_video
 from vlmq.workers.media.decode import plan_sample_times, resolve_sampling
-from vlmq.workers.testing.samples import data_uri, make_video_bytes, read_frame_code
 
 pytestmark = pytest.mark.unit
 

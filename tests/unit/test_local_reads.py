@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support.blocking import fifo, within
+from tests.support.samples import save_image, save_video
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.results import FileStore
 from vlmq.config.schemas import Request
@@ -24,7 +25,6 @@ from vlmq.config.settings import MediaSettings, Settings, TenantQuota, TenantSet
 from vlmq.producers.client import Client
 from vlmq.producers.preflight import Preflight
 from vlmq.producers.staging import MediaStager
-from vlmq.workers.testing.samples import save_image, save_video
 
 PROMPT_S = 20.0  # what "at once" may take on a loaded machine; a blocked read never ends
 

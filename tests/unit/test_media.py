@@ -10,11 +10,7 @@ import av
 import pytest
 from PIL import Image
 
-from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
-from vlmq.config.settings import MediaSettings
-from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
-from vlmq.workers.media.decode import plan_sample_times
-from vlmq.workers.testing.samples import (
+from tests.support.samples import (
     data_uri,
     encode,
     frame_code_modulus,
@@ -26,6 +22,10 @@ from vlmq.workers.testing.samples import (
     save_image,
     save_video,
 )
+from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
+from vlmq.config.settings import MediaSettings
+from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
+from vlmq.workers.media.decode import plan_sample_times
 
 pytestmark = pytest.mark.unit
 

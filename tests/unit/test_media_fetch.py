@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.samples import data_uri, make_image
 from vlmq.config.errors import (
     InvalidRequest,
     MediaDecodeFailed,
@@ -34,7 +35,6 @@ from vlmq.config.settings import MediaSettings
 from vlmq.workers.media import MediaLoader
 from vlmq.workers.media.fetch import MediaFetcher
 from vlmq.workers.media.netpolicy import is_public_address, parse_http_url
-from vlmq.workers.testing.samples import data_uri, make_image
 
 pytestmark = pytest.mark.unit
 

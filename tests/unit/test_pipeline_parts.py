@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.samples import make_image, make_video_bytes, save_image, save_video
 from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.engine import Engine
 from vlmq.workers.engine.model import load_processor
 from vlmq.workers.engine.prepare import video_content, visual_downscale
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import Downscale, MediaCache, MediaLoader, decode_image
-from vlmq.workers.testing.samples import make_image, make_video_bytes, save_image, save_video
-from vlmq.workers.testing.tiny import FAMILIES
 
 pytestmark = pytest.mark.unit
 

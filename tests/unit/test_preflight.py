@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 from PIL import Image, ImageFile
 
-from vlmq.config.jsonl import parse_line
-from vlmq.config.schemas import Request
-from vlmq.config.settings import EngineSettings, MediaSettings, Settings
-from vlmq.config.vision import image_tokens
-from vlmq.producers.preflight import FleetRates, ModelProfile, Preflight, estimate_eta
-from vlmq.producers.preflight.fleet import rates_from_entries
-from vlmq.workers.testing.samples import (
+from tests.support.samples import (
     data_uri,
     make_image,
     png_header_only,
     save_image,
     save_video,
 )
+from vlmq.config.jsonl import parse_line
+from vlmq.config.schemas import Request
+from vlmq.config.settings import EngineSettings, MediaSettings, Settings
+from vlmq.config.vision import image_tokens
+from vlmq.producers.preflight import FleetRates, ModelProfile, Preflight, estimate_eta
+from vlmq.producers.preflight.fleet import rates_from_entries
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from vlmq.config.schemas import Request
+from vlmq.workers.engine import noop
 from vlmq.workers.engine.interface import Collated
+from vlmq.workers.engine.noop import SimulatedAccelerator, parse_simulate, simulated_seconds
 from vlmq.workers.engine.prepare import Prepared
-from vlmq.workers.testing import noop
-from vlmq.workers.testing.noop import SimulatedAccelerator, parse_simulate, simulated_seconds
 
 pytestmark = pytest.mark.unit
 

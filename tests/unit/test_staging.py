@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.samples import save_image, save_video
 from vlmq.config.errors import ConfigError, InvalidRequest, MediaForbidden, StagingRefused
 from vlmq.config.results import BlobWriter, FileStore
 from vlmq.config.schemas import Request
@@ -19,7 +20,6 @@ from vlmq.producers.staging import MediaStager, StagingProgress, media_type
 from vlmq.workers.media.fetch import MediaFetcher
 from vlmq.workers.media.fleet import fleet_media_settings
 from vlmq.workers.media.s3_fetch import is_allowed
-from vlmq.workers.testing.samples import save_image, save_video
 
 
 class CountingStore(FileStore):

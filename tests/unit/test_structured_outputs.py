@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.samples import save_image
+from tests.support.structured import check_record, mixed_lines
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, MediaSettings
-from vlmq.workers.testing.samples import save_image
-from vlmq.workers.testing.structured import check_record, mixed_lines
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 

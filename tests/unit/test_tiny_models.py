@@ -21,9 +21,9 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
-from vlmq.workers.testing.tiny import FAMILIES, SIZES, build_config, build_tiny_model, get_spec  # noqa: E402
-from vlmq.workers.testing.tiny.builder import FAMILY_CLASSES  # noqa: E402
-from vlmq.workers.testing.tiny.tokenizer import build_tokenizer  # noqa: E402
+from vlmq.workers.demo.tiny import FAMILIES, SIZES, build_config, build_tiny_model, get_spec  # noqa: E402
+from vlmq.workers.demo.tiny.builder import FAMILY_CLASSES  # noqa: E402
+from vlmq.workers.demo.tiny.tokenizer import build_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

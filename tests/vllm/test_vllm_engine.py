@@ -24,11 +24,11 @@ import pytest
 
 from tests.e2e.conftest import Fleet, fleet_environment, vlmq
 from tests.e2e.test_fleet import _client, _in_engine, _job_finished, _pointed, _policy, _ready
+from tests.support.samples import save_image, save_video
+from tests.support.services import wait_until
+from tests.support.structured import check_record
+from tests.support.structured import mixed_lines as structured_lines
 from tests.vllm.conftest import vllm_python
-from vlmq.workers.testing.samples import save_image, save_video
-from vlmq.workers.testing.services import wait_until
-from vlmq.workers.testing.structured import check_record
-from vlmq.workers.testing.structured import mixed_lines as structured_lines
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 ONE_BATCH = {"VLMQ_BATCH": json.dumps({m: _policy(16, 0.5) for m in ("text", "image", "video")})}

@@ -93,7 +93,6 @@ class Engine(OneSlot):
             )
             self._runner = BatchRunner(
                 self.loaded,
-                self.settings.faults,
                 self.settings.fixed_output_length,
                 processor_device(self.settings, self.loaded.device),
                 self.settings.grammar_cache_size,

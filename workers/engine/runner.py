@@ -14,7 +14,6 @@ choices. A greedy request's completions are identical: one row, copied.
 from __future__ import annotations
 
 import gc
-import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,8 +24,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from vlmq.config.errors import OutOfMemory
-from vlmq.config.schemas import FinishReason, TextPart
-from vlmq.config.settings import EXIT_INJECTED_CRASH, FaultInjection
+from vlmq.config.schemas import FinishReason
 from vlmq.workers.engine.completions import Generated
 from vlmq.workers.engine.constraints import GrammarBook, RowConstraints
 from vlmq.workers.engine.controls import (
@@ -81,10 +79,6 @@ class RowsTooLong(Exception):
     def __init__(self, rows: list[int]) -> None:
         super().__init__(f"{len(rows)} rows exceed the context")
         self.rows = rows
-
-
-class InjectedFault(RuntimeError):
-    """A fault raised on purpose by ``FaultInjection`` (tests only)."""
 
 
 def free_device_memory() -> None:
@@ -146,7 +140,6 @@ class BatchRunner:
     def __init__(
         self,
         loaded: LoadedModel,
-        faults: FaultInjection | None = None,
         fixed_output_length: bool = False,
         processor_device: str | None = None,
         grammar_cache_size: int = 512,
@@ -155,7 +148,6 @@ class BatchRunner:
         # Where the image and video processors compute (the torchvision ones take a device):
         # the model's GPU, so resizing and normalising leave the CPU; None: where they are.
         self.processor_device = processor_device
-        self.faults = faults or FaultInjection()
         self.fixed_output_length = fixed_output_length
         tokenizer = loaded.tokenizer
         self.eos_ids = eos_token_ids(loaded.model.generation_config.eos_token_id, tokenizer)
@@ -203,7 +195,6 @@ class BatchRunner:
 
     def generate(self, collated: Collated) -> list[Completion]:
         items = collated.items
-        self._inject_faults(items)
         self._check_context(items, collated.inputs["attention_mask"])
         inputs = self._to_device(collated.inputs, non_blocking=collated.pinned)
         started = time.perf_counter()
@@ -218,17 +209,6 @@ class BatchRunner:
         for completion in completions:
             completion.collate_s = collated.collate_s
         return completions
-
-    def _inject_faults(self, items: Sequence[Prepared]) -> None:
-        limit = self.faults.oom_above_batch
-        if limit is not None and len(items) > limit:
-            raise OutOfMemory(f"injected: batch of {len(items)} above {limit}")
-        marker = self.faults.poison_marker
-        if marker and any(marker in _text_of(item) for item in items):
-            raise InjectedFault("injected poison request")
-        crash = self.faults.crash_marker
-        if crash and any(crash in _text_of(item) for item in items):
-            os._exit(EXIT_INJECTED_CRASH)
 
     def _check_context(self, items: Sequence[Prepared], attention_mask: torch.Tensor) -> None:
         lengths = attention_mask.sum(dim=1).tolist()
@@ -417,12 +397,6 @@ class BatchRunner:
             if token in self.eos_ids:
                 return generated[: position + 1], True
         return generated, False
-
-
-def _text_of(item: Prepared) -> str:
-    return " ".join(
-        part.text for m in item.request.messages for part in m.content if isinstance(part, TextPart)
-    )
 
 
 def _cut_at_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[str, bool]:

@@ -87,7 +87,6 @@ def compose_loop(
         observer,
         fleet.upload_threads,
         fleet.store_retry_max_s,
-        injected_errors=settings.engine.faults.settle_errors,
     )
     webhooks = WebhookSender(state, settings.webhooks)
     threads = settings.worker.preprocess_workers or max(1, (os.cpu_count() or 2) - 1)
@@ -239,13 +238,8 @@ class WorkerService:
         instead of leaving a live worker that silently stopped renewing."""
         assert self.loop is not None
         interval = max(0.5, self.settings.fleet.lease_s / 3)
-        injected_at = self.settings.engine.faults.heartbeat_error_at
-        beats = 0
         while not self._stopped.wait(interval):
-            beats += 1
             try:
-                if beats == injected_at:
-                    raise RuntimeError("injected heartbeat error")
                 alive = self.loop.heartbeat()
             except TRANSIENT_REDIS_ERRORS as exc:
                 log.warning("heartbeat: Redis %s; retrying", type(exc).__name__)

@@ -145,10 +145,8 @@ class Settler:
         observer: LoopObserver,
         threads: int,
         retry_max_s: float,
-        injected_errors: int = 0,
     ) -> None:
         self.store = store
-        self._injected_errors = injected_errors  # testing only: FaultInjection.settle_errors
         self.tasks = tasks
         self.held = held
         self.observer = observer
@@ -182,9 +180,6 @@ class Settler:
 
     def _settle(self, settlements: list[Settlement]) -> None:
         try:
-            if self._injected_errors > 0:
-                self._injected_errors -= 1
-                raise RuntimeError("injected settle error")
             stored = self._store_all(settlements)
             self.finish_many(stored)
         except Exception:

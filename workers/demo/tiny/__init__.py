@@ -6,13 +6,13 @@ as they load the real Qwen2.5-VL / Qwen3-VL / InternVL3-hf checkpoints. See NOTE
 feed pre-decoded images and video frames to these processors.
 """
 
-from vlmq.workers.testing.tiny.builder import (
+from vlmq.workers.demo.tiny.builder import (
     build_config,
     build_processor,
     build_tiny_model,
     count_parameters,
 )
-from vlmq.workers.testing.tiny.specs import FAMILIES, SIZES, get_spec
+from vlmq.workers.demo.tiny.specs import FAMILIES, SIZES, get_spec
 
 __all__ = [
     "FAMILIES",

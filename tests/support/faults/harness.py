@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tests.support.proxy import Proxy
+from tests.support.services import MotoServer, RedisServer, wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
-from vlmq.workers.testing.proxy import Proxy
-from vlmq.workers.testing.services import MotoServer, RedisServer, wait_until
 
 _FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",

@@ -65,9 +65,7 @@ PAD_TOKEN = "<|endoftext|>"
 def corpus_text() -> str:
     """Return the committed training corpus (shipped as package data)."""
     return (
-        resources.files("vlmq.workers.testing.tiny")
-        .joinpath("corpus.txt")
-        .read_text(encoding="utf-8")
+        resources.files("vlmq.workers.demo.tiny").joinpath("corpus.txt").read_text(encoding="utf-8")
     )
 
 

@@ -1,4 +1,5 @@
-"""Start a private redis-server for the embedded default (demo, benchmarks)."""
+"""A private redis-server on a free port: what `vlmq demo` runs as its Redis (the test suite
+and the benchmarks start theirs through it too)."""
 
 from __future__ import annotations
 

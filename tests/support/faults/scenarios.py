@@ -8,11 +8,12 @@ import signal
 import time
 from typing import Any
 
+from tests.support.faults.harness import Harness
+from tests.support.faults.inject import Faults
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.status import TERMINAL
 from vlmq.config.wire import encode_message
-from vlmq.workers.testing.faults.harness import Harness
-from vlmq.workers.testing.services import wait_until
 
 TERMINAL_STATES = {s.value for s in TERMINAL}
 
@@ -173,16 +174,21 @@ def _succeeded_without_object(h: Harness, job: str, ids: list[str]) -> int:
     )
 
 
-def poison_in_batch(h: Harness, model: str, batch: int = 16) -> dict[str, Any]:
-    """One request that makes generate raise, among ``batch`` in one batch."""
-    policy = {
+def _faulty_worker(h: Harness, name: str, model: str, batch: int, faults: Faults) -> None:
+    """A text worker on ``model`` that batches ``batch`` requests, with ``faults``; registered."""
+    env = {
         "VLMQ_BATCH": _policy(batch, wait_s=1.0),
         "VLMQ_MODEL": model,
-        "VLMQ_ENGINE__FAULTS__POISON_MARKER": "POISON",
         "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
+        **faults.env(),
     }
-    h.worker("--modality", "text", "--no-celery", "--name", "poisoned", **policy)
-    h.wait_registered("poisoned")
+    h.worker("--modality", "text", "--no-celery", "--name", name, **env)
+    h.wait_registered(name)
+
+
+def poison_in_batch(h: Harness, model: str, batch: int = 16) -> dict[str, Any]:
+    """One request that makes generate raise, among ``batch`` in one batch."""
+    _faulty_worker(h, "poisoned", model, batch, Faults(poison_marker="POISON"))
     job, ids = h.submit_text(batch, marker="POISON")
     status = h.wait_job(job)
     wait_until(
@@ -208,7 +214,7 @@ def crash_request(h: Harness, tasks: int = 6) -> dict[str, Any]:
     job, _ids = h.submit_text(tasks, marker="CRASH")
     deaths = 0
     while not h.client.status(job)["finished"] and deaths <= 6:
-        proc = h.noop_worker(f"crashy-{deaths}", 0.05, VLMQ_ENGINE__FAULTS__CRASH_MARKER="CRASH")
+        proc = h.noop_worker(f"crashy-{deaths}", 0.05, **Faults(crash_marker="CRASH").env())
         wait_until(
             lambda p=proc: p.poll() is not None or h.client.status(job)["finished"],
             timeout=60,
@@ -226,14 +232,7 @@ def crash_request(h: Harness, tasks: int = 6) -> dict[str, Any]:
 
 def oom_halving(h: Harness, model: str, batch: int = 16, limit: int = 4) -> dict[str, Any]:
     """A fake out-of-memory error for any micro-batch above ``limit`` rows."""
-    env = {
-        "VLMQ_BATCH": _policy(batch, wait_s=1.0),
-        "VLMQ_MODEL": model,
-        "VLMQ_ENGINE__FAULTS__OOM_ABOVE_BATCH": str(limit),
-        "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
-    }
-    h.worker("--modality", "text", "--no-celery", "--name", "small-gpu", **env)
-    h.wait_registered("small-gpu")
+    _faulty_worker(h, "small-gpu", model, batch, Faults(oom_above_batch=limit))
     job, ids = h.submit_text(batch)
     status = h.wait_job(job)
     sizes = [r.get("batch_size") for r in (h.client.result(i) for i in ids)]
@@ -306,6 +305,6 @@ def double_publish(h: Harness) -> dict[str, Any]:
 
 
 def _policy(size: int, wait_s: float) -> str:
-    from vlmq.workers.testing.faults.harness import batch_policy
+    from tests.support.faults.harness import batch_policy
 
     return batch_policy(size, wait_s)

@@ -36,8 +36,8 @@ from transformers import (
     Qwen3VLVideoProcessor,
 )
 
-from vlmq.workers.testing.tiny.specs import FAMILIES, SIZES, get_spec
-from vlmq.workers.testing.tiny.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+from vlmq.workers.demo.tiny.specs import FAMILIES, SIZES, get_spec
+from vlmq.workers.demo.tiny.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
 # Embedding rows are padded to a multiple of this, as the real checkpoints pad 151665 -> 151936.
 _VOCAB_MULTIPLE = 64
@@ -82,7 +82,7 @@ FAMILY_CLASSES: dict[str, FamilyClasses] = {
 def chat_template(family: str) -> str:
     """The family's chat template, a copy of the published one (shipped as package data)."""
     name = f"chat_template_{family}.jinja"
-    return resources.files("vlmq.workers.testing.tiny").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("vlmq.workers.demo.tiny").joinpath(name).read_text(encoding="utf-8")
 
 
 def _check_family_size(family: str, size: str) -> None:

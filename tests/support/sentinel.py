@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
+from tests.support.proxy import close_all, listen_on
 from vlmq.config.errors import ConfigError
-from vlmq.workers.testing.localredis import LocalRedis, free_port
-from vlmq.workers.testing.proxy import close_all, listen_on
+from vlmq.producers.localredis import LocalRedis, free_port
 
 __all__ = ["DataNode", "LaggyLink", "SentinelCluster", "SentinelNode"]
 
@@ -133,7 +133,7 @@ class DataNode(LocalRedis):
     def command(self) -> list[str]:
         conf = self.workdir / "redis.conf"
         if not conf.exists():
-            conf.write_text("# written by vlmq.workers.testing.sentinel\n", encoding="utf-8")
+            conf.write_text("# written by tests.support.sentinel\n", encoding="utf-8")
         command = [self.binary, str(conf), *self.command_args()]
         # Start a replica's first sync at once (Redis 7 waits 5 s for more replicas).
         command += ["--repl-diskless-sync-delay", "0"]

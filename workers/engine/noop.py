@@ -1,5 +1,5 @@
-"""Engines that do no inference: for queue benchmarks, fault tests and the pipeline's
-simulated accelerator.
+"""Engines that do no inference, behind ``vlmq worker --engine noop|simulated``: for queue
+benchmarks, fault tests and the pipeline's simulated accelerator.
 
 :class:`NoopEngine` has only the Engine's ``run`` (the loop adapts it to the generation
 interface with ``RunOnlyEngine``); it answers every request with an empty output and can
@@ -12,28 +12,16 @@ can be measured against a fast accelerator on a machine that has none (sleeping 
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from vlmq.config.schemas import FinishReason, Request, Result, Usage
-from vlmq.config.settings import EXIT_INJECTED_CRASH
-from vlmq.workers.engine.interface import Collated, OneSlot, RunOnlyEngine
+from vlmq.workers.engine.interface import Collated, OneSlot
 from vlmq.workers.engine.prepare import Prepared
 
-__all__ = [
-    "NoopEngine",
-    "PrepareCrash",
-    "SimulatedAccelerator",
-    "parse_simulate",
-    "simulated_seconds",
-]
-
-
-def _text(request: Request) -> str:
-    return " ".join(getattr(p, "text", "") for m in request.messages for p in m.content)
+__all__ = ["NoopEngine", "SimulatedAccelerator", "parse_simulate", "simulated_seconds"]
 
 
 def _empty_result(request: Request, model: str, size: int, worker: str | None) -> Result:
@@ -55,9 +43,8 @@ def _empty_result(request: Request, model: str, size: int, worker: str | None) -
 class NoopEngine:
     model_name = "noop"
 
-    def __init__(self, batch_delay_s: float = 0.0, crash_marker: str | None = None) -> None:
+    def __init__(self, batch_delay_s: float = 0.0) -> None:
         self.batch_delay_s = batch_delay_s
-        self.crash_marker = crash_marker
 
     def setup(self) -> NoopEngine:
         return self
@@ -72,27 +59,9 @@ class NoopEngine:
         worker: str | None = None,
         token_budget: int | None = None,
     ) -> list[Result]:
-        if self.crash_marker and any(self.crash_marker in _text(r) for r in requests):
-            os._exit(EXIT_INJECTED_CRASH)  # stands in for a segfault or an OOM kill
         if self.batch_delay_s:
             time.sleep(self.batch_delay_s)
         return [_empty_result(r, self.model_name, len(requests), worker) for r in requests]
-
-
-class PrepareCrash(RunOnlyEngine):
-    """A run-only engine whose prepare exits the process for a request holding ``marker``
-    (a native decoder crash, an OOM kill while decoding: its holder dies before it starts)."""
-
-    def __init__(self, engine: Any, marker: str) -> None:
-        super().__init__(engine)
-        self.marker = marker
-
-    def prepare(
-        self, request: Request, tenant: str | None = None, prepared_media: bool = False
-    ) -> Prepared:
-        if self.marker in _text(request):
-            os._exit(EXIT_INJECTED_CRASH)
-        return super().prepare(request, tenant, prepared_media)
 
 
 # H200-like defaults for a 2-3B VLM (Qwen2.5-VL-3B), bf16, one GPU:

@@ -1,7 +1,7 @@
 """A Redis Sentinel failover in the middle of a job, with real worker processes.
 
 :class:`SentinelHarness` is the fault harness (moto's S3, real ``vlmq worker`` processes) on a
-:class:`~vlmq.workers.testing.sentinel.SentinelCluster` instead of a single redis-server: every
+:class:`~tests.support.sentinel.SentinelCluster` instead of a single redis-server: every
 process gets the ``redis+sentinel://`` URL. :func:`sentinel_failover` kills the master's host
 (replication paused until a settle reaches the master, then the links cut, dropping what they
 hold, and SIGKILL) while a no-op worker drains a job, and measures what
@@ -19,14 +19,14 @@ from typing import Any
 
 import redis
 
+from tests.support.faults.harness import Harness, batch_policy
+from tests.support.faults.scenarios import _delivery_figures
+from tests.support.sentinel import DataNode, SentinelCluster
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.state import State
 from vlmq.config.status import TERMINAL
-from vlmq.workers.testing.faults.harness import Harness, batch_policy
-from vlmq.workers.testing.faults.scenarios import _delivery_figures
-from vlmq.workers.testing.localredis import LocalRedis
-from vlmq.workers.testing.sentinel import DataNode, SentinelCluster
-from vlmq.workers.testing.services import wait_until
+from vlmq.producers.localredis import LocalRedis
 
 __all__ = ["SentinelHarness", "sentinel_failover"]
 

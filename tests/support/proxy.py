@@ -10,7 +10,7 @@ import contextlib
 import socket
 import threading
 
-from vlmq.workers.testing.services import free_port
+from tests.support.services import free_port
 
 __all__ = ["Proxy", "close_all", "listen_on"]
 

@@ -17,12 +17,13 @@ from typing import Any
 
 from celery import Celery
 
+from tests.support.faults.harness import Harness, batch_policy
+from tests.support.faults.inject import Faults
+from tests.support.faults.scenarios import _delivery_figures
+from tests.support.services import wait_until
+from tests.support.webhook_receiver import HookReceiver
 from vlmq.config.keys import Keys
 from vlmq.config.wire import encode_message
-from vlmq.workers.testing.faults.harness import Harness, batch_policy
-from vlmq.workers.testing.faults.scenarios import _delivery_figures
-from vlmq.workers.testing.hooks import HookReceiver
-from vlmq.workers.testing.services import wait_until
 
 __all__ = [
     "clock_skew",
@@ -271,7 +272,7 @@ def _refused(h: Harness) -> bool:
 
 def redis_read_only(h: Harness, tasks: int = 120, read_only_s: float = 3.0) -> dict[str, Any]:
     """Redis turns read-only mid-job (a replica not yet promoted), then writable again."""
-    from vlmq.workers.testing.services import free_port
+    from tests.support.services import free_port
 
     job, ids = h.submit_text(tasks)
     proc = h.noop_worker("steady", 0.05, VLMQ_BATCH=batch_policy(8))
@@ -294,7 +295,7 @@ def settle_errors(h: Harness, tasks: int = 16) -> dict[str, Any]:
     redelivered within lease + reap, and finished; nothing stays running."""
     job, ids = h.submit_text(tasks)
     started = time.monotonic()
-    proc = h.noop_worker("buggy", 0.05, VLMQ_ENGINE__FAULTS__SETTLE_ERRORS="1", **_LEASED)
+    proc = h.noop_worker("buggy", 0.05, **Faults(settle_errors=1).env(), **_LEASED)
     h.wait_job(job, timeout=120)
     return {
         **_delivery_figures(h, job, ids),
@@ -363,9 +364,7 @@ def heartbeat_error(h: Harness, tasks: int = 8) -> dict[str, Any]:
     """The renewal thread hits an unexpected error: the worker exits (it does not go on
     without renewing), and its batch is redelivered to another worker."""
     job, ids = h.submit_text(tasks)
-    broken = h.noop_worker(
-        "broken-heart", 8.0, VLMQ_ENGINE__FAULTS__HEARTBEAT_ERROR_AT="2", **_LEASED
-    )
+    broken = h.noop_worker("broken-heart", 8.0, **Faults(heartbeat_error_at=2).env(), **_LEASED)
     code = broken.wait(60)
     h.noop_worker("healthy", 0.05, **_LEASED)
     h.wait_job(job, timeout=120)

@@ -1,10 +1,11 @@
-"""Deterministic synthetic media for tests, demos and benchmarks.
+"""The demo's sample media: deterministic synthetic images and clips, made from a seed.
 
-Nothing binary is committed: every sample is generated from a seed. Images
-have structure (gradients, shapes) plus seeded noise so that codecs and vision
-encoders see something image-like. Each video frame carries its own index as a
-row of black/white 8x8 blocks (:func:`read_frame_code`), so a test can tell
-exactly which source frame a sampler returned, even after lossy compression.
+``vlmq demo`` / ``vlmq make-examples`` write them next to the bundled requests; the test suite
+and the benchmarks build on them (tests/support/samples.py). Nothing binary is shipped. Images
+have structure (gradients, shapes) plus seeded noise so that codecs and vision encoders see
+something image-like. Each video frame carries its own index as a row of black/white
+``FRAME_CODE_BLOCK`` pixel blocks, so a reader can tell exactly which source frame a sampler
+returned, even after lossy compression.
 """
 
 from __future__ import annotations
@@ -13,30 +14,25 @@ import base64
 import io
 import mimetypes
 import random
-import struct
-import zlib
 from pathlib import Path
-from typing import Any
 
 import av
 import numpy as np
 from PIL import Image, ImageDraw
 
 __all__ = [
+    "FRAME_CODE_BLOCK",
+    "MUXERS",
     "data_uri",
-    "encode",
-    "frame_code_modulus",
-    "make_audio_bytes",
+    "frame_code_bits",
     "make_image",
     "make_video_bytes",
-    "png_header_only",
-    "read_frame_code",
     "save_image",
     "save_video",
 ]
 
-_CODE_BLOCK = 8  # pixels per bit block; matches the 8x8 DCT blocks of most codecs
-_MUXERS = {"mkv": "matroska", "mp4": "mp4", "webm": "webm", "avi": "avi", "gif": "gif"}
+FRAME_CODE_BLOCK = 8  # pixels per bit block; matches the 8x8 DCT blocks of most codecs
+MUXERS = {"mkv": "matroska", "mp4": "mp4", "webm": "webm", "avi": "avi", "gif": "gif"}
 _PIXEL_FORMATS = {"gif": "rgb8"}
 
 
@@ -80,37 +76,21 @@ def save_image(
     return target
 
 
-def _code_bits(width: int) -> int:
-    return max(1, min(16, width // _CODE_BLOCK))
-
-
-def frame_code_modulus(width: int) -> int:
-    """Frame codes wrap at this value for frames ``width`` pixels wide."""
-    return 1 << _code_bits(width)
+def frame_code_bits(width: int) -> int:
+    """How many bit blocks the frame code of frames ``width`` pixels wide has."""
+    return max(1, min(16, width // FRAME_CODE_BLOCK))
 
 
 def _stamp_frame_code(image: Image.Image, index: int) -> Image.Image:
     """Write ``index`` (mod 2**bits) as a row of black/white blocks at the top."""
     stamped = image.copy()
     draw = ImageDraw.Draw(stamped)
-    for bit in range(_code_bits(image.width)):
+    for bit in range(frame_code_bits(image.width)):
         on = (index >> bit) & 1
-        x0 = bit * _CODE_BLOCK
-        box = (x0, 0, x0 + _CODE_BLOCK - 1, _CODE_BLOCK - 1)
+        x0 = bit * FRAME_CODE_BLOCK
+        box = (x0, 0, x0 + FRAME_CODE_BLOCK - 1, FRAME_CODE_BLOCK - 1)
         draw.rectangle(box, fill=(255, 255, 255) if on else (0, 0, 0))
     return stamped
-
-
-def read_frame_code(image: Image.Image) -> int:
-    """Read back the index stamped by :func:`make_video_bytes` (mod 2**bits)."""
-    gray = np.asarray(image.convert("L"), dtype=np.float32)
-    value = 0
-    for bit in range(_code_bits(image.width)):
-        x0 = bit * _CODE_BLOCK
-        block = gray[1 : _CODE_BLOCK - 1, x0 + 1 : x0 + _CODE_BLOCK - 1]
-        if block.mean() > 127:
-            value |= 1 << bit
-    return value
 
 
 def _video_frame(base: Image.Image, index: int, n_frames: int) -> Image.Image:
@@ -142,7 +122,7 @@ def make_video_bytes(
         raise ValueError("video width and height must be even")
     base = make_image(size, seed)
     buffer = io.BytesIO()
-    muxer = _MUXERS.get(container, container)
+    muxer = MUXERS.get(container, container)
     options = {"live": "1"} if live else None
     with av.open(buffer, mode="w", format=muxer, container_options=options) as output:
         stream = output.add_stream(codec, rate=fps)
@@ -157,24 +137,6 @@ def make_video_bytes(
         for index in range(n_frames):
             frame = av.VideoFrame.from_image(_video_frame(base, index, n_frames))
             output.mux(stream.encode(frame))
-        output.mux(stream.encode(None))
-    return buffer.getvalue()
-
-
-def make_audio_bytes(
-    duration_s: float = 0.5, sample_rate: int = 16000, container: str = "mp4", codec: str = "aac"
-) -> bytes:
-    """An audio-only file (a sine tone): a valid container with no video stream."""
-    samples = int(duration_s * sample_rate)
-    tone = np.sin(2 * np.pi * 440.0 * np.arange(samples) / sample_rate).astype(np.float32)
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=_MUXERS.get(container, container)) as output:
-        stream = output.add_stream(codec, rate=sample_rate)
-        if not isinstance(stream, av.AudioStream):
-            raise ValueError("codec is not an audio codec")
-        frame = av.AudioFrame.from_ndarray(tone[None, :], format="fltp", layout="mono")
-        frame.sample_rate = sample_rate
-        output.mux(stream.encode(frame))
         output.mux(stream.encode(None))
     return buffer.getvalue()
 
@@ -197,20 +159,3 @@ def data_uri(path_or_bytes: str | Path | bytes, mime: str | None = None) -> str:
         mime = mime or mimetypes.guess_type(str(path_or_bytes))[0]
     encoded = base64.b64encode(payload).decode("ascii")
     return f"data:{mime or 'application/octet-stream'};base64,{encoded}"
-
-
-def encode(image: Image.Image, format: str, **params: Any) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=format, **params)
-    return buffer.getvalue()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG that declares a size in IHDR and carries no pixels: a bomb for free."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")

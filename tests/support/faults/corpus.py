@@ -44,13 +44,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from pydantic import ValidationError
 
-from vlmq.config.errors import MediaDecodeFailed, MediaTooLarge
-from vlmq.config.jsonl import describe_validation_error
-from vlmq.config.schemas import Request, Result
-from vlmq.config.settings import EngineSettings, MediaSettings
-from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
-from vlmq.workers.media.netpolicy import system_resolver
-from vlmq.workers.testing.samples import (
+from tests.support.samples import (
     data_uri,
     encode,
     make_audio_bytes,
@@ -58,6 +52,12 @@ from vlmq.workers.testing.samples import (
     make_video_bytes,
     png_header_only,
 )
+from vlmq.config.errors import MediaDecodeFailed, MediaTooLarge
+from vlmq.config.jsonl import describe_validation_error
+from vlmq.config.schemas import Request, Result
+from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
+from vlmq.workers.media.netpolicy import system_resolver
 
 __all__ = [
     "ALLOWLISTED_HOSTS",

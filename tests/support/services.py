@@ -20,7 +20,7 @@ import redis
 
 from vlmq.config.connection import create_redis
 from vlmq.config.settings import Settings
-from vlmq.workers.testing.localredis import LocalRedis, free_port
+from vlmq.producers.localredis import LocalRedis, free_port
 
 __all__ = ["MotoServer", "RedisServer", "free_port", "wait_until"]
 

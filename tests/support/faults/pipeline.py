@@ -13,10 +13,10 @@ import signal
 import time
 from typing import Any
 
+from tests.support.faults.harness import Harness, batch_policy
+from tests.support.faults.scenarios import _delivery_figures
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
-from vlmq.workers.testing.faults.harness import Harness, batch_policy
-from vlmq.workers.testing.faults.scenarios import _delivery_figures
-from vlmq.workers.testing.services import wait_until
 
 __all__ = ["stopped_with_prefetched_work"]
 

@@ -144,8 +144,9 @@ def _gpu_run(bench: Services, gpu: str, job: str) -> tuple[float, float, list[di
     return wall, cpu_seconds(proc.pid) - cpu, _records(bench, job)
 
 
-def _prepared_ahead(bench: Services, preparers: list[str]) -> float:
-    """Let the prepare workers prepare every waiting task: their CPU seconds."""
+def _prepared_ahead(bench: Services, preparers: list[str], ports: list[int]) -> tuple[float, int]:
+    """Let the prepare workers prepare every waiting task: their CPU seconds and the media
+    they decoded (read from their metrics while they run: a paused process answers none)."""
     from vlmq.config.keys import Keys
     from vlmq.config.queues import prepare_backlog
 
@@ -154,15 +155,17 @@ def _prepared_ahead(bench: Services, preparers: list[str]) -> float:
     cpu = sum(cpu_seconds(p.pid) for p in procs)
     for proc in procs:
         proc.send_signal(signal.SIGCONT)
+    decoded = _decoded(ports)
 
     def done() -> bool:
         backlog = prepare_backlog(bench.client.redis, keys, ["image", "video"])
         return not any(backlog.values()) and not bench.client.redis.hlen(keys.inflight())
 
     _wait(done, 1800, "preparing", 0.01)
+    decoded = _decoded(ports) - decoded
     for proc in procs:
         proc.send_signal(signal.SIGSTOP)
-    return sum(cpu_seconds(p.pid) for p in procs) - cpu
+    return sum(cpu_seconds(p.pid) for p in procs) - cpu, decoded
 
 
 def _decoded(ports: list[int]) -> int:
@@ -187,10 +190,8 @@ def run_prepared(
     bench: Services, gpu: str, preparers: list[str], ports: list[int], items: list[dict[str, Any]]
 ) -> Run:
     job = bench.client.submit_many(items)
-    decoded_before = _decoded(ports)
-    prepare_cpu = _prepared_ahead(bench, preparers)
+    prepare_cpu, decodes = _prepared_ahead(bench, preparers, ports)
     wall, cpu, records = _gpu_run(bench, gpu, job)
-    decodes = _decoded(ports) - decoded_before
     decodes += sum(int(r["timings"].get("media_decodes") or 0) for r in records)
     return Run(len(items), wall, _generate_s(records), cpu, prepare_cpu, decodes)
 

@@ -196,9 +196,9 @@ class Preparer:
         if request.parts("image") or request.parts("video"):
             after = self.loader.thread_counts()
             prepared.timings["media_cache_hits"] = after.cache_hits - before.cache_hits
+            prepared.timings["media_decodes"] = after.decodes - before.decodes
             if self.loader.frames is not None:
                 prepared.timings["frame_store_hits"] = after.store_hits - before.store_hits
-                prepared.timings["media_decodes"] = after.decodes - before.decodes
         return prepared
 
     def _max_new_tokens(self, request: Request) -> int:

@@ -3,8 +3,9 @@
 Media (bench/realmedia.py): 1080p JPEG photos and 720p H.264 clips of 20 s (GOP 60), distinct
 per round. The GPU worker is ``vlmq worker --engine simulated`` (real media and processor
 work; ``generate`` sleeps 5 ms per micro-batch + 20 us per prompt token, visual tokens
-included, + 4 ms per decode step: an H200-like 2-3B model) with the ``small`` Qwen2.5-VL
-checkpoint given Qwen2.5-VL-3B's real processor configs (a 1080p photo is ~2,700 visual
+included, + 4 ms per decode step: an H200-like 2-3B model; the processor's resizing and
+normalising run on the simulated device, ``--simulate-processor device``) with the ``small``
+Qwen2.5-VL checkpoint given Qwen2.5-VL-3B's real processor configs (a 1080p photo is ~2,700 visual
 tokens, 16 frames of a 720p clip ~5,800, as on the real model; the weights do not matter:
 ``generate`` is simulated), 16 new tokens per request.
 
@@ -217,7 +218,8 @@ def run_prepared(
 
 
 def _start_fleet(bench: Services, model: Path) -> tuple[str, str, list[str], list[int]]:
-    simulated = ("--engine", "simulated", "--simulate", SIMULATE)
+    # On a GPU the processor resizes and normalises on the device: so does the simulated one.
+    simulated = ("--engine", "simulated", "--simulate", SIMULATE, "--simulate-processor", "device")
     off = {"VLMQ_MEDIA__FRAME_STORE__ENABLED": "false"}
     start_worker(bench, "gpu-self", model, ROOT, off, *simulated)
     # No per-worker media cache on the fed side: every read-back is the frame store's.

@@ -181,7 +181,11 @@ def run_file(engine: Any, input_path: Path, output_path: Path, chunk_size: int) 
 
 
 def worker_engine(
-    kind: str, settings: Settings, noop_delay_s: float = 0.0, simulate: str = SIMULATE_DEFAULT
+    kind: str,
+    settings: Settings,
+    noop_delay_s: float = 0.0,
+    simulate: str = SIMULATE_DEFAULT,
+    simulate_processor: str = "host",
 ) -> Any:
     """The engine ``vlmq worker --engine KIND`` serves with (not set up yet)."""
     if kind == "noop":
@@ -204,7 +208,8 @@ def worker_engine(
             prefill_s, step_s, token_s = parse_simulate(simulate)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--simulate") from None
-        return SimulatedAccelerator(engine, prefill_s, step_s, token_s)
+        on_device = simulate_processor == "device"
+        return SimulatedAccelerator(engine, prefill_s, step_s, token_s, on_device)
     return engine
 
 
@@ -244,6 +249,14 @@ def worker_engine(
     "prompt token (visual ones included); the two-number form charges no prompt tokens.",
 )
 @click.option(
+    "--simulate-processor",
+    type=click.Choice(["host", "device"]),
+    default="host",
+    show_default=True,
+    help="With --engine simulated: where the processor's resizing and normalising run; "
+    "device: on the simulated accelerator (as on a GPU), not charged to this host's CPU.",
+)
+@click.option(
     "--celery/--no-celery",
     default=True,
     show_default=True,
@@ -257,6 +270,7 @@ def worker(
     engine_kind: str | None,
     noop_delay: float,
     simulate: str,
+    simulate_processor: str,
     celery: bool,
 ) -> None:
     """Serve modality queues in batches with one model, loaded once, in this process."""
@@ -274,7 +288,7 @@ def worker(
         _serve_prepare(settings, modalities, name, engine_kind, celery)
         return
     kind = engine_kind or settings.engine.backend
-    engine = worker_engine(kind, settings, noop_delay, simulate)
+    engine = worker_engine(kind, settings, noop_delay, simulate, simulate_processor)
     run_test_hook(engine)
     service = WorkerService(settings, modalities, engine, name=name).setup()
     serve(settings, service, celery)

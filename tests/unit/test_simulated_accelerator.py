@@ -72,3 +72,37 @@ def test_poll_sleeps_and_reports_the_charged_seconds(monkeypatch: pytest.MonkeyP
     expected = simulated_seconds(items, 0.005, 0.004, 0.00002)
     assert slept == [pytest.approx(expected)]
     assert [r.timings["generate_s"] for r in results] == [pytest.approx(expected)] * 2
+
+
+def test_the_processor_runs_on_the_simulated_device(checkpoint, tmp_path) -> None:
+    """``--simulate-processor device``: the collated tensors are made on ``meta`` (no host
+    CPU spent on them); the token ids are the host's."""
+    from tests.support.samples import save_image
+    from vlmq.config.schemas import Request
+    from vlmq.config.settings import EngineSettings, MediaSettings
+    from vlmq.workers.engine import Engine
+
+    save_image(tmp_path / "a.png", size=(64, 48), seed=1)
+    media = MediaSettings(local_roots=[str(tmp_path)])
+    request = Request.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": str(tmp_path / "a.png")},
+                        "Describe it.",
+                    ],
+                }
+            ]
+        }
+    )
+    host = Engine(str(checkpoint("qwen2_5_vl")), EngineSettings(), media).setup()
+    device = SimulatedAccelerator(
+        Engine(str(checkpoint("qwen2_5_vl")), EngineSettings(), media), 0, 0, 0, True
+    ).setup()
+    on_host = host.collate([host.prepare(request)]).inputs
+    on_device = device.collate([device.prepare(request)]).inputs
+    assert on_device["pixel_values"].device.type == "meta"
+    assert on_device["pixel_values"].shape == on_host["pixel_values"].shape
+    assert on_device["input_ids"].tolist() == on_host["input_ids"].tolist()

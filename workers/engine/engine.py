@@ -108,6 +108,13 @@ class Engine(OneSlot):
             )
         return self
 
+    def set_processor_device(self, device: str | None) -> None:
+        """Where the processor makes its tensors (its calls' ``device``): a simulated
+        accelerator passes ``meta``, so the resizing and normalising a GPU would do are not
+        charged to the host's CPU."""
+        self._ready()
+        self._runner.processor_device = device
+
     def set_max_batch_size(self, rows: int) -> None:
         """Change the row cap of later micro-batches (benchmarks sweep it)."""
         self.settings = self.settings.model_copy(update={"max_batch_size": rows})

@@ -109,17 +109,27 @@ class SimulatedAccelerator(OneSlot):
     per decode step (its longest ``max_new_tokens``): ``simulated_seconds``."""
 
     def __init__(
-        self, engine: Any, prefill_s: float, step_s: float, token_s: float = PREFILL_TOKEN_S
+        self,
+        engine: Any,
+        prefill_s: float,
+        step_s: float,
+        token_s: float = PREFILL_TOKEN_S,
+        processor_on_device: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = f"simulated({engine.model_name})"
         self.prefill_s = prefill_s
         self.step_s = step_s
         self.token_s = token_s
+        # On a GPU the processor resizes and normalises on the device (processor_device
+        # auto): the simulated device is ``meta``, whose tensors cost no host CPU.
+        self.processor_on_device = processor_on_device
         self.stats = engine.stats
 
     def setup(self) -> SimulatedAccelerator:
         self.engine.setup()
+        if self.processor_on_device:
+            self.engine.set_processor_device("meta")
         return self
 
     def close(self) -> None:

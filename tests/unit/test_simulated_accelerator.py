@@ -4,6 +4,7 @@ never free."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,7 +75,7 @@ def test_poll_sleeps_and_reports_the_charged_seconds(monkeypatch: pytest.MonkeyP
     assert [r.timings["generate_s"] for r in results] == [pytest.approx(expected)] * 2
 
 
-def test_the_processor_runs_on_the_simulated_device(checkpoint, tmp_path) -> None:
+def test_the_processor_runs_on_the_simulated_device(checkpoint: Any, tmp_path: Path) -> None:
     """``--simulate-processor device``: the collated tensors are made on ``meta`` (no host
     CPU spent on them); the token ids are the host's."""
     from tests.support.samples import save_image

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 __all__ = [
     "ApiSettings",
     "BatchPolicy",
+    "CelerySettings",
     "EngineSettings",
     "FaultInjection",
     "FleetSettings",
@@ -340,6 +341,20 @@ class WebhookSettings(BaseModel):
     allow_private_addresses: bool = False
 
 
+class CelerySettings(BaseModel):
+    """Tasks that arrive through Celery (``send_task``, ``delay``, canvas): their results in a
+    Celery result backend, revoke and canvas callbacks (docs/celery.md)."""
+
+    # Record results of messages that ask for one (Celery's ignore_result header false).
+    enabled: bool = True
+    # Any Celery result backend URL (Celery messages carry none); empty: the fleet's Redis.
+    result_backend: str = ""
+    result_expires_s: int = Field(86400, ge=1)  # Celery's result_expires
+    track_started: bool = True  # STARTED when the engine takes the task
+    # Where link, link_error and chord callbacks go when their signature names no queue.
+    default_queue: str = "celery"
+
+
 class MetricsSettings(BaseModel):
     # Port of a worker's Prometheus /metrics endpoint; None: not served.
     port: int | None = None
@@ -412,3 +427,4 @@ class Settings(BaseSettings):
     tenants: TenantSettings = Field(default_factory=TenantSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    celery: CelerySettings = Field(default_factory=CelerySettings)

@@ -29,7 +29,9 @@ from vlmq.workers.testing.faults.harness import batch_policy
 from vlmq.workers.testing.samples import save_image, save_video
 from vlmq.workers.testing.services import wait_until
 
-WEBAPP = Path(__file__).resolve().parents[1] / "support" / "celery_webapp.py"
+ROOT = Path(__file__).resolve().parents[2]
+WEBAPP = ROOT / "tests" / "support" / "celery_webapp.py"
+EXAMPLE = ROOT / "examples" / "celery_app.py"
 SLOW = Keys("slow")
 RESULT_EXPIRES_S = 600
 
@@ -42,9 +44,9 @@ class CeleryFleet:
         self.media = media
         self.app_env = {
             **os.environ,
-            "WEBAPP_BROKER": broker.url,
-            "WEBAPP_BACKEND": backend.url,
-            "PYTHONPATH": str(WEBAPP.parent),
+            "CELERY_BROKER_URL": broker.url,
+            "CELERY_RESULT_BACKEND": backend.url,
+            "PYTHONPATH": f"{EXAMPLE.parent}:{WEBAPP.parent}",
         }
         self.slow_env = {"VLMQ_FLEET__KEY_PREFIX": "slow", "VLMQ_BATCH": batch_policy(4, 0.2)}
 
@@ -71,7 +73,9 @@ class CeleryFleet:
 
 
 @pytest.fixture(scope="module")
-def celery_fleet(shared_redis, moto_server, tmp_path_factory, checkpoint) -> Iterator[CeleryFleet]:
+def celery_fleet(
+    shared_redis: Any, moto_server: Any, tmp_path_factory: Any, checkpoint: Any
+) -> Iterator[CeleryFleet]:
     broker, backend = shared_redis.database(), shared_redis.database()
     media = tmp_path_factory.mktemp("celery-media")
     env = fleet_environment(broker.url, moto_server, "celery-app", media)
@@ -85,7 +89,7 @@ def celery_fleet(shared_redis, moto_server, tmp_path_factory, checkpoint) -> Ite
     celery.start_slow("slow-1")
     worker_args = ["worker", "--pool", "solo", "-Q", "celery", "-n", "webapp@%h"]
     app_worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "celery_webapp", *worker_args, "--without-mingle"],
+        [sys.executable, "-m", "celery", "-A", "celery_app", *worker_args, "--without-mingle"],
         env=celery.app_env,
         cwd=WEBAPP.parent,
         stdout=subprocess.DEVNULL,
@@ -144,15 +148,27 @@ def test_a_failing_request_raises_its_code_on_get(celery_fleet):
 
 def test_link_link_error_chord_group_and_chain(celery_fleet):
     found = celery_fleet.run("canvas")
-    assert found["link"] == {"of": found["linked"], "words": found["link"]["words"]}
-    assert found["errback"] == {
-        "failed": found["failing"],
-        "state": "FAILURE",
-        "code": "invalid_request",
-    }
+    assert found["link"] == {"id": found["linked"], "words": found["link"]["words"]}
+    assert found["errback"] == f"{found['failing']} failed: invalid_request"
     assert found["chord"] == found["chord_headers"]  # the callback got every header's result
     assert found["group"] == found["group_ids"]  # in order
-    assert found["chain"]["of"] == found["chain_first"]
+    assert found["chain"]["id"] == found["chain_first"]
+
+
+def test_the_example_app_runs(celery_fleet):
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE)],
+        env={**celery_fleet.app_env, "EXAMPLE_TIMEOUT_S": "90"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert "'finish_reason'" in lines["result"]
+    assert lines["failure"] == "TaskFailed invalid_request"
+    assert lines["chord"] == "3 outputs" and lines["group"] == "3"
+    assert lines["vlmq imported"] == "False"
 
 
 def test_revoke_of_a_queued_task(celery_fleet):

@@ -9,12 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 from celery import Celery
+from celery.app.task import Context
 from celery.result import GroupResult
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation, make_loop
 from vlmq.celery import submit_many
 from vlmq.config.keys import Keys
-from vlmq.config.settings import BatchPolicy
+from vlmq.config.settings import BatchPolicy, Settings
 from vlmq.config.status import TaskState
 from vlmq.config.wire import encode_message
 from vlmq.producers.client import Client
@@ -24,15 +25,16 @@ from vlmq.workers.testing.services import wait_until
 
 
 @pytest.fixture
-def app(settings) -> Iterator[Celery]:
-    app = Celery("webapp", broker=settings.redis_url, backend=settings.redis_url)
-    app.conf.update(result_serializer="json", accept_content=["json"], set_as_current=False)
+def app(settings: Settings) -> Iterator[Celery]:
+    url = settings.redis_url
+    app = Celery("webapp", broker=url, backend=url, set_as_current=False)
+    app.conf.update(result_serializer="json", accept_content=["json"])
     yield app
     gc.collect()  # results a get() subscribed for unsubscribe while Redis is still up
     app.close()
 
 
-def _results(settings) -> CeleryResults:
+def _results(settings: Settings) -> CeleryResults:
     state = fleet_state(Client(settings).redis, settings.fleet)
     return CeleryResults.for_settings(settings, "w1", state)
 
@@ -46,15 +48,15 @@ def test_a_job_is_a_group_result_with_progress(settings, app):
     settings = settings.model_copy(update={"batch": {"text": policy}})
     view = submit_many(Client(settings), _items(6), app=app)
     assert app.AsyncResult(view.id).state == "PROGRESS"
-    seen: list[dict] = []
     results = _results(settings)
     loop = make_loop(settings, RecordingEngine(delay_s=0.2), ("text",), [results])
+
+    def in_progress() -> bool:
+        meta = app.AsyncResult(view.id)
+        return meta.state == "PROGRESS" and 0 < meta.info["done"] < 6
+
     with Running(loop):
-        wait_until(
-            lambda: seen.append(app.AsyncResult(view.id).info) or 0 < seen[-1]["done"] < 6,
-            timeout=30,
-            what="a job in progress",
-        )
+        wait_until(in_progress, timeout=30, what="a job in progress")
         outputs = view.get(timeout=30)
     assert [o["output"] for o in outputs] == [f"echo:c{i}" for i in range(6)]
     assert [o["id"] for o in outputs] == [r.id for r in view.results]
@@ -93,3 +95,24 @@ def test_revoke_a_job_an_unseen_task_and_a_running_one(settings, app):
     assert service.revoke(["unseen-1"]) == {
         "unseen-1": "not queued (running or ended): not stopped"
     }
+
+
+def test_the_pipelined_meta_is_celerys_own(settings, app):
+    """Plain ends go through one pipeline on Celery's Redis backend: the same meta as its
+    ``store_result`` writes, with the expiry, published on the key's channel."""
+    results = _results(settings)
+    backend = results.app.backend
+    context = Context(id="t1", root_id="t1", ignore_result=False, group="g", parent_id="p")
+    value = {"id": "t1", "output": "x"}
+    results._store_many([("t1", value, "SUCCESS", context)])
+    backend.store_result("t2", value, "SUCCESS", request=Context(context.__dict__, id="t2"))
+    piped, stored = backend.get_task_meta("t1"), backend.get_task_meta("t2")
+    for meta in (piped, stored):
+        meta.pop("date_done"), meta.pop("task_id")
+    assert piped == stored and piped["group_id"] == "g" and piped["parent_id"] == "p"
+    ttl = results.app.backend.client.ttl(backend.get_key_for_task("t1"))
+    assert 0 < ttl <= settings.celery.result_expires_s
+    # A STARTED that comes late never hides a result.
+    results._store_many([("t1", {"pid": 1}, "STARTED", context)], unless_succeeded=True)
+    assert backend.get_task_meta("t1")["status"] == "SUCCESS"
+    results.close()

@@ -1,44 +1,25 @@
-"""A web app that only has Celery (it never imports vlmq): its own tasks, run by its own
-Celery worker (``celery -A celery_webapp worker``), and the scenarios tests/e2e/test_celery_app.py
-drives against a vlmq fleet, each run as ``python celery_webapp.py SCENARIO ARGS_JSON``; the
-scenario's findings are the last line of its output, as JSON.
+"""The scenarios tests/e2e/test_celery_app.py drives against a vlmq fleet from a web app that
+only has Celery (it never imports vlmq): the app is examples/celery_app.py (its tasks run by
+its own worker, ``celery -A celery_app worker``). Each scenario runs as
+``python celery_webapp.py SCENARIO ARGS_JSON`` with examples/ on the path; its findings are
+the last line of its output, as JSON.
 
-Environment: ``WEBAPP_BROKER`` (the fleet's Redis), ``WEBAPP_BACKEND`` (its result backend).
+Environment: ``CELERY_BROKER_URL`` (the fleet's Redis), ``CELERY_RESULT_BACKEND``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import uuid
 from collections import Counter
 from typing import Any
 
-from celery import Celery, chord, group, signature
-
-app = Celery("webapp", broker=os.environ["WEBAPP_BROKER"], backend=os.environ["WEBAPP_BACKEND"])
-app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+from celery import chord, group, signature
+from celery_app import app, collect, report_failure, word_count
 
 TIMEOUT_S = 90
-
-
-@app.task(name="webapp.postprocess")
-def postprocess(result: dict[str, Any]) -> dict[str, Any]:
-    return {"of": result["id"], "words": len(result["output"].split())}
-
-
-@app.task(name="webapp.collect")
-def collect(results: list[dict[str, Any]]) -> list[str]:
-    return [r["id"] for r in results]
-
-
-@app.task(name="webapp.on_error")
-def on_error(task_id: str) -> dict[str, Any]:
-    # Errbacks of a task the app's worker does not run get the failed task's id (Celery's way).
-    failed = app.AsyncResult(task_id)
-    return {"failed": task_id, "state": failed.state, "code": failed.result.args[0]}
 
 
 def _request(text: str, media: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -101,23 +82,23 @@ def failure(missing_image: str) -> dict[str, Any]:
 
 
 def canvas() -> dict[str, Any]:
-    link = postprocess.s().freeze()
-    linked = _generate(_request("one two")).apply_async(link=postprocess.s().set(task_id=link.id))
-    errback = on_error.s().freeze()
+    link = word_count.s().freeze()
+    linked = _generate(_request("one two")).apply_async(link=word_count.s().set(task_id=link.id))
+    errback = report_failure.s().freeze()
     failing = _generate({"messages": []}).apply_async(
-        link_error=on_error.s().set(task_id=errback.id)
+        link_error=report_failure.s().set(task_id=errback.id)
     )
     headers = [_generate(_request(f"member {i}")) for i in range(3)]
     chorded = chord(headers, collect.s()).apply_async()
     grouped = group(_generate(_request(f"g {i}")) for i in range(3)).apply_async()
-    chained = (_generate(_request("a b c")) | postprocess.s()).apply_async()
+    chained = (_generate(_request("a b c")) | word_count.s()).apply_async()
     return {
         "linked": linked.get(timeout=TIMEOUT_S)["id"],
         "link": app.AsyncResult(link.id).get(timeout=TIMEOUT_S),
         "failing": failing.id,
         "errback": app.AsyncResult(errback.id).get(timeout=TIMEOUT_S),
         "chord": chorded.get(timeout=TIMEOUT_S),
-        "chord_headers": [h.id for h in chorded.parent.results],
+        "chord_headers": [h.get(timeout=TIMEOUT_S)["output"] for h in chorded.parent.results],
         "group": [r["id"] for r in grouped.get(timeout=TIMEOUT_S)],
         "group_ids": [r.id for r in grouped.results],
         "chain": chained.get(timeout=TIMEOUT_S),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -246,3 +247,14 @@ def test_observers_read_a_bad_request_before_it_is_failed():
     assert [s.task_id for s in settler.submitted] == ["bad"]
     assert settler.submitted[0].record["error"]["code"] == "invalid_request"
     settler.close()
+
+
+def test_vlmq_celery_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from vlmq.celery import generate, submit_many\n"
+        "generate.s({'messages': [{'role': 'user', 'content': 'hi'}]})\n"
+        "sys.exit('torch' in sys.modules or 'vlmq.workers' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0

@@ -223,4 +223,7 @@ def test_a_worker_killed_mid_batch_ends_each_task_with_one_success(celery_fleet)
             driver.kill()
     assert found["results"] == sent
     assert found["successes"] == {task_id: 1 for task_id in sent}
+    # What the victim held ran again on slow-2: its batch was killed, not finished.
+    rerun = [celery_fleet.broker.hmget(SLOW.task(t), "worker", "deliveries") for t in sent]
+    assert any(worker == "slow-2" and int(deliveries) >= 2 for worker, deliveries in rerun)
     assert all(celery_fleet.meta(t)["result"]["id"] == t for t in sent)

@@ -15,9 +15,9 @@ from celery.result import GroupResult
 from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation, make_loop
 from vlmq.celery import submit_many
 from vlmq.config.keys import Keys
-from vlmq.config.settings import BatchPolicy, Settings
+from vlmq.config.settings import BatchPolicy, CelerySettings, Settings
 from vlmq.config.status import TaskState
-from vlmq.config.wire import encode_message
+from vlmq.config.wire import decode_envelope, encode_message
 from vlmq.producers.client import Client
 from vlmq.workers.fleet.celery_results import CeleryResults
 from vlmq.workers.fleet.service import WorkerService, fleet_state
@@ -116,3 +116,23 @@ def test_the_pipelined_meta_is_celerys_own(settings, app):
     results._store_many([("t1", {"pid": 1}, "STARTED", context)], unless_succeeded=True)
     assert backend.get_task_meta("t1")["status"] == "SUCCESS"
     results.close()
+
+
+def test_the_rpc_backend_answers_where_each_message_says(settings):
+    """With ``rpc://`` the result goes to the reply queue the message names (``reply_to``):
+    each app gets its own, whatever the worker's settings."""
+    client_app = Celery("webapp", broker=settings.redis_url, backend="rpc://", set_as_current=False)
+    client_app.conf.update(accept_content=["json"])
+    sent = client_app.send_task(
+        "vlmq.generate", kwargs={"request": {"messages": _conversation("text", 1)}}, queue="q"
+    )
+    raw = Client(settings).redis.rpop("q")
+    envelope = decode_envelope(raw)
+    assert envelope.properties["reply_to"]
+    rpc = settings.model_copy(update={"celery": CelerySettings(result_backend="rpc://")})
+    results = _results(rpc)
+    results.received([envelope])
+    results.settled([{"id": sent.id, "status": "succeeded", "output": "hi"}])
+    assert sent.get(timeout=10)["output"] == "hi"
+    results.close()
+    client_app.close()

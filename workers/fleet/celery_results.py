@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 SUCCESS, FAILURE, STARTED, REVOKED = "SUCCESS", "FAILURE", "STARTED", "REVOKED"
 # What a Celery worker reads of a message's embed (protocol 2's third body element).
 _EMBED = ("callbacks", "errbacks", "chain", "chord")
+# Headers a context does not keep: the arguments' reprs (the request's, up to 1 kB each).
+_NOT_KEPT = frozenset({"argsrepr", "kwargsrepr"})
 # Contexts of pulled tasks kept for their settle: far above what one worker holds at once
 # (its pulls and prefetch); an older one is only one whose task went back to the queue.
 MAX_CONTEXTS = 16384
@@ -89,7 +91,8 @@ def results_app(settings: Settings) -> Celery:
         result_backend_max_retries=5,
         task_default_queue=conf.default_queue,
         broker_transport_options=dict(transport),
-        result_backend_transport_options=dict(transport),
+        # The fleet's Redis as the backend: a Sentinel one's master_name too.
+        result_backend_transport_options={} if conf.result_backend else dict(transport),
         broker_connection_retry_on_startup=True,
     )
     return app
@@ -105,7 +108,7 @@ def celery_context(envelope: Envelope) -> Context | None:
     if ignore_result and not canvas:
         return None
     properties = envelope.properties
-    fields = {k: v for k, v in headers.items() if isinstance(k, str) and not k.startswith("_")}
+    fields = {k: v for k, v in headers.items() if k not in _NOT_KEPT and not k.startswith("_")}
     fields.update(canvas)
     fields.update(
         id=envelope.task_id,
@@ -183,7 +186,9 @@ class CeleryResults(LoopObserver):
 
     def settled(self, records: Sequence[Mapping[str, Any]]) -> None:
         with self._lock:
-            ended = [(r, c) for r in records if (c := self._contexts.pop(str(r["id"]), None))]
+            ended = [
+                (r, c) for r in records if (c := self._contexts.pop(str(r["id"]), None)) is not None
+            ]
         if ended:
             self._write(self._settled, ended)
 

@@ -127,6 +127,7 @@ def test_the_rpc_backend_answers_where_each_message_says(settings):
         "vlmq.generate", kwargs={"request": {"messages": _conversation("text", 1)}}, queue="q"
     )
     raw = Client(settings).redis.rpop("q")
+    assert isinstance(raw, str)
     envelope = decode_envelope(raw)
     assert envelope.properties["reply_to"]
     rpc = settings.model_copy(update={"celery": CelerySettings(result_backend="rpc://")})

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 __all__ = [
     "ApiSettings",
     "BatchPolicy",
+    "CelerySettings",
     "EngineSettings",
     "FleetSettings",
     "FrameStoreSettings",
@@ -697,6 +698,33 @@ class WebhookSettings(BaseModel):
     )
 
 
+class CelerySettings(BaseModel):
+    """Tasks that arrive through Celery (``send_task``, ``delay``, canvas): their results in a
+    Celery result backend, revoke and canvas callbacks (docs/celery.md)."""
+
+    enabled: bool = Field(
+        True,
+        description="Record the results of Celery messages that ask for one (Celery's "
+        "ignore_result header false; vlmq's own producers ask for none unless told).",
+    )
+    result_backend: str = Field(
+        "",
+        description="Any Celery result backend URL (Celery messages carry none); empty: the "
+        "fleet's Redis.",
+    )
+    result_expires_s: int = Field(
+        86400, ge=1, description="How long a recorded result is kept (Celery's result_expires)."
+    )
+    track_started: bool = Field(
+        True, description="Record STARTED when the engine takes the task (task_track_started)."
+    )
+    default_queue: str = Field(
+        "celery",
+        description="Where link, link_error and chord callbacks go when their signature names "
+        "no queue.",
+    )
+
+
 class MetricsSettings(BaseModel):
     """A worker's Prometheus /metrics endpoint."""
 
@@ -849,4 +877,8 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(
         default_factory=MetricsSettings,
         description="A worker's Prometheus /metrics endpoint.",
+    )
+    celery: CelerySettings = Field(
+        default_factory=CelerySettings,
+        description="Tasks that arrive through Celery: results, revoke, canvas callbacks.",
     )

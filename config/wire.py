@@ -23,8 +23,10 @@ from typing import Any
 __all__ = [
     "PRIORITY_STEPS",
     "TASK_NAME",
+    "Envelope",
     "TaskMessage",
     "WireError",
+    "decode_envelope",
     "decode_message",
     "encode_message",
     "priority_lists",
@@ -41,6 +43,27 @@ class WireError(ValueError):
 
 
 @dataclass(frozen=True)
+class Envelope:
+    """What Celery reads of a message besides the task's arguments: its headers (id, group,
+    ignore_result, root and parent ids...), properties (reply_to, correlation_id, priority)
+    and the body's embed (callbacks, errbacks, chain, chord). Read even when the request in
+    it is not valid, so a Celery caller hears of that failure too."""
+
+    task_id: str
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    body: Any
+
+    @property
+    def embed(self) -> dict[str, Any]:
+        """The protocol-2 body's third element ({} when there is none)."""
+        body = self.body
+        if isinstance(body, list) and len(body) >= 3 and isinstance(body[2], dict):
+            return body[2]
+        return {}
+
+
+@dataclass(frozen=True)
 class TaskMessage:
     task_id: str
     task_name: str
@@ -48,6 +71,7 @@ class TaskMessage:
     expires: datetime | None
     priority: int
     raw: str
+    envelope: Envelope | None = None
 
 
 def priority_lists(queue: str) -> list[str]:
@@ -71,11 +95,13 @@ def encode_message(
     queue: str,
     priority: int = 0,
     expires: datetime | None = None,
+    ignore_result: bool = True,
 ) -> str:
     """A Celery protocol-2 message body as kombu's Redis transport stores it.
 
     ``request`` may be given already serialised (``Request.model_dump_json``),
-    which saves re-encoding it on the bulk path.
+    which saves re-encoding it on the bulk path. ``ignore_result`` False asks the worker to
+    record the task's result in the Celery result backend too (docs/celery.md).
     """
     request_json = request if isinstance(request, str) else json.dumps(request)
     body = f'[[],{{"request":{request_json}}},{_EMBED_JSON}]'
@@ -95,7 +121,7 @@ def encode_message(
         "argsrepr": "",
         "kwargsrepr": "",
         "origin": _ORIGIN,
-        "ignore_result": True,
+        "ignore_result": ignore_result,
     }
     properties = {
         "correlation_id": task_id,
@@ -160,9 +186,9 @@ def _priority(properties: Any) -> int:
     return int(max(0, min(value, 9)))
 
 
-def decode_message(raw: str | bytes) -> TaskMessage:
-    """Parse a raw list entry; never unpickles anything. Whatever the entry holds, the only
-    exception is WireError."""
+def decode_envelope(raw: str | bytes) -> Envelope:
+    """A raw list entry's headers, properties and body; never unpickles anything. Whatever
+    the entry holds, the only exception is WireError."""
     try:
         message = json.loads(raw)
         headers = message["headers"]
@@ -170,13 +196,25 @@ def decode_message(raw: str | bytes) -> TaskMessage:
         body = _body(message)
     except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
         raise WireError("not a JSON Celery protocol-2 message") from exc
+    if not isinstance(headers, dict):
+        raise WireError("headers: not an object")
     if not isinstance(task_id, str):
         raise WireError("headers.id: not a string")
+    properties = message.get("properties")
+    return Envelope(task_id, headers, properties if isinstance(properties, dict) else {}, body)
+
+
+def decode_message(raw: str | bytes, envelope: Envelope | None = None) -> TaskMessage:
+    """Parse a raw list entry (or the ``envelope`` already read from it) into the task it
+    asks for; the only exception is WireError."""
+    envelope = envelope or decode_envelope(raw)
+    headers = envelope.headers
     return TaskMessage(
-        task_id=task_id,
+        task_id=envelope.task_id,
         task_name=str(headers.get("task", "")),
-        request=_request_of(body),
+        request=_request_of(envelope.body),
         expires=_parse_expires(headers.get("expires")),
-        priority=_priority(message.get("properties")),
+        priority=_priority(envelope.properties),
         raw=raw if isinstance(raw, str) else raw.decode(errors="replace"),
+        envelope=envelope,
     )

@@ -128,8 +128,10 @@ class Client:
         expires: datetime | None = None,
         tenant: str | None = None,
         est: int | None = None,
+        results: bool = False,
     ) -> Queued:
-        """``request`` as it is enqueued: its queue, status fields and Celery message."""
+        """``request`` as it is enqueued: its queue, status fields and Celery message (with
+        ``results``, one that asks for a Celery result too: docs/celery.md)."""
         queue = self.keys.lane_queue(request.modality.value, lane, request.job_id)
         fields = {
             "job_id": request.job_id,
@@ -141,7 +143,9 @@ class Client:
             "est": est,
         }
         wire = request.model_dump_json(exclude_none=True)
-        message = encode_message(wire, request.id, queue, expires=expires)
+        message = encode_message(
+            wire, request.id, queue, expires=expires, ignore_result=not results
+        )
         return Queued(request.id, request.custom_id, request.modality.value, fields, message)
 
     def enqueue(
@@ -151,6 +155,7 @@ class Client:
         expires: datetime | None = None,
         tenant: str | None = None,
         estimates: list[int] | None = None,
+        results: bool = False,
     ) -> None:
         """Enqueue requests outside any bulk job's own list (a lane's own list), all or
         nothing, in one script call: each with its status hash, counted in its tenant's quota
@@ -165,7 +170,7 @@ class Client:
                     "a bulk job's tasks are submitted with submit_many or vlmq submit"
                 )
             est = estimates[index] if estimates else None
-            line = self.queued(request, lane, expires, tenant, est)
+            line = self.queued(request, lane, expires, tenant, est, results)
             lines.append(replace(line, fields={**line.fields, "quota": quota}))
         self.state.jobs.enqueue(tenant, lines)
 
@@ -204,12 +209,15 @@ class Client:
         webhook_url: str | None = None,
         base_dir: Path | None = None,
         tenant: str | None = None,
+        results: bool = False,
     ) -> str:
         """Validate all, stage their media, then enqueue in pipelined chunks; returns the job id.
 
         Every item is validated and its media staged before anything is enqueued, so a bad
         item raises InvalidRequest (naming the item and field; StagingRefused when its media
         can reach no worker) and enqueues nothing; past the tenant's quota QuotaExceeded.
+        With ``results`` each task's result is recorded in the Celery result backend too
+        (``vlmq.celery.submit_many``).
         """
         tenant = tenant or self.tenant
         job_id = check_id("job id", job_id or uuid.uuid4().hex)
@@ -228,13 +236,16 @@ class Client:
             if lane == "bulk":
                 # Every item is a new task (no custom_id claims: ids are the caller's).
                 lines = [
-                    replace(self.queued(r, lane, expires, tenant, est.get(r.id)), custom_id=None)
+                    replace(
+                        self.queued(r, lane, expires, tenant, est.get(r.id), results),
+                        custom_id=None,
+                    )
                     for r in batch
                 ]
                 self.state.jobs.submit(job_id, submission, lines)
             else:
                 estimated = [est[r.id] for r in batch] if est else None
-                self.enqueue(batch, lane, expires, tenant, estimated)
+                self.enqueue(batch, lane, expires, tenant, estimated, results)
         self.seal_job(job_id, submission, lines=len(requests))
         return job_id
 
@@ -318,22 +329,7 @@ class Client:
     # cancel ----------------------------------------------------------------
     def cancel(self, task_or_job_id: str) -> int:
         """Cancel queued tasks (a job's, or one); returns how many were cancelled."""
-        check_id("job or task id", task_or_job_id)
-        fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
-        if self.state.jobs.exists(task_or_job_id):
-            job_id = task_or_job_id
-            jobs, feeds = self.state.jobs, self.state.feeds
-            jobs.request_cancel(job_id)
-            # Lines not fed yet are cancelled in one step per feed; the fed ones a page at a
-            # time (a feed refuses to feed a job that asked to cancel: none are added meanwhile).
-            unfed = sum(
-                feeds.drop(job_id, feed_id, TaskState.CANCELLED) for feed_id in feeds.of_job(job_id)
-            )
-            return unfed + jobs.finish_queued(job_id, TaskState.CANCELLED, fields)
-        only = [TaskState.QUEUED]
-        return int(
-            self.state.tasks.transition(task_or_job_id, TaskState.CANCELLED, fields, only).moved
-        )
+        return self.state.cancel(check_id("job or task id", task_or_job_id))
 
 
 def _validated(item: Any, index: int, job_id: str) -> Request:

@@ -22,8 +22,11 @@ ends it; ``Leases`` renew, give back and reap it in between.
 
 from __future__ import annotations
 
+import time
+
 import redis as redis_py
 
+from vlmq.config.ids import FED_ID
 from vlmq.config.keys import Keys
 from vlmq.config.scripts import REPLAY_TTL_S, Scripts, Wait
 from vlmq.config.state.events import Events
@@ -31,6 +34,7 @@ from vlmq.config.state.intake import Intake, Leases, NamedLeases, WorkerRecords
 from vlmq.config.state.jobs import Feeds, Jobs
 from vlmq.config.state.tasks import Tasks
 from vlmq.config.state.tenants import Tenants
+from vlmq.config.status import TaskState
 
 __all__ = ["State"]
 
@@ -63,3 +67,29 @@ class State:
     def intake(self, modality: str, role: str = "gpu") -> Intake:
         """A pull of one modality class's queues, for a GPU or a prepare worker."""
         return Intake(self.redis, self.scripts, self.keys, modality, self.ttl_s, role)
+
+    def cancel(self, task_or_job_id: str, *, unseen: bool = False) -> int:
+        """Cancel queued tasks (a job's, or one); returns how many were cancelled. With
+        ``unseen``, a task no pull has read yet (a plain ``send_task`` message still in its
+        queue, which has no hash) is cancelled too: its hash is made, cancelled, with the task
+        ttl, and the pull drops its message (a Celery revoke, docs/celery.md)."""
+        fields = {"finished_at": f"{time.time():.6f}", "error_code": "cancelled"}
+        if self.jobs.exists(task_or_job_id):
+            job_id = task_or_job_id
+            self.jobs.request_cancel(job_id)
+            # Lines not fed yet are cancelled in one step per feed; the fed ones a page at a
+            # time (a feed refuses to feed a job that asked to cancel: none are added meanwhile).
+            unfed = sum(
+                self.feeds.drop(job_id, feed_id, TaskState.CANCELLED)
+                for feed_id in self.feeds.of_job(job_id)
+            )
+            return unfed + self.jobs.finish_queued(job_id, TaskState.CANCELLED, fields)
+        only: list[TaskState | None] = [TaskState.QUEUED]
+        # A fed task without a hash was folded into its job: it ended, it is not unseen.
+        unseen = unseen and not FED_ID.match(task_or_job_id)
+        if unseen:
+            only.append(None)
+        moved = self.tasks.transition(task_or_job_id, TaskState.CANCELLED, fields, only)
+        if unseen:  # every task hash has a ttl; this keeps a made one's (a retry's too)
+            self.redis.expire(self.keys.task(task_or_job_id), self.ttl_s, nx=True)
+        return int(moved.moved)

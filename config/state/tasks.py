@@ -117,7 +117,7 @@ def _allowed_from(states: Iterable[TaskState | None]) -> str:
     return ",".join("-" if s is None else s.value for s in states)
 
 
-def encode_move(move: Move, only_from: Iterable[TaskState] | None = None) -> list[Any]:
+def encode_move(move: Move, only_from: Iterable[TaskState | None] | None = None) -> list[Any]:
     """A move as ``lua/tasks.lua``'s ``read_move`` takes it from ARGV."""
     allowed = _allowed_from(only_from if only_from is not None else sources_of(move.state))
     pairs = [x for k, v in move.fields.items() for x in (k, _as_text(v))]
@@ -148,7 +148,7 @@ class Tasks:
         task_id: str,
         new_state: TaskState,
         fields: Mapping[str, Any] | None = None,
-        only_from: Iterable[TaskState] | None = None,
+        only_from: Iterable[TaskState | None] | None = None,
     ) -> Moved:
         """Move one task forward (unfenced: a producer's); ``only_from`` narrows the states it
         may leave (cancel: queued only)."""
@@ -158,7 +158,7 @@ class Tasks:
     def moves(
         self,
         moves: Sequence[Move],
-        only_from: Iterable[TaskState] | None = None,
+        only_from: Iterable[TaskState | None] | None = None,
         call: Call | None = None,
     ) -> list[Moved]:
         """Apply many moves in one script call (``transition``), each fenced by its token."""
@@ -168,7 +168,7 @@ class Tasks:
         self,
         command: str,
         moves: Sequence[Move],
-        only_from: Iterable[TaskState] | None,
+        only_from: Iterable[TaskState | None] | None,
         call: Call | None,
     ) -> list[Moved]:
         if not moves:

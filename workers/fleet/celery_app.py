@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from celery import Celery, bootsteps
+from celery.worker.control import Panel, control_command, ok
 
 from vlmq.config.connection import celery_broker
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.config.wire import TASK_NAME
 
-__all__ = ["IntakeStep", "make_app"]
+__all__ = ["IntakeStep", "make_app", "revoke"]
 
 
 def make_app(settings: Settings, service: Any = None) -> Celery:
@@ -59,7 +60,31 @@ def make_app(settings: Settings, service: Any = None) -> Celery:
     if service is not None:
         app.vlmq_service = service
         app.steps["worker"].add(IntakeStep)
+        _handle_revoke()
     return app
+
+
+# Celery's own handler: a worker without vlmq's service (none in a vlmq process) keeps it.
+_CELERY_REVOKE = Panel.data.get("revoke")
+
+
+def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kw: Any) -> Any:
+    """Celery's ``revoke`` control command, mapped to vlmq's cancel (``WorkerService.revoke``):
+    the batched intake never consults Celery's revoked set, so a revoked task is cancelled in
+    vlmq's state instead (queued or prefetched: it never runs; running: not stopped)."""
+    service = getattr(state.app, "vlmq_service", None)
+    if service is None:
+        assert _CELERY_REVOKE is not None
+        return _CELERY_REVOKE(state, task_id, terminate=terminate, signal=signal, **kw)
+    ids = [task_id] if isinstance(task_id, str) else list(task_id or [])
+    return ok(service.revoke([str(i) for i in ids]))
+
+
+def _handle_revoke() -> None:
+    """Install :func:`revoke` as the process's ``revoke`` command (Celery keeps one table of
+    control commands per process; safe to repeat)."""
+    if Panel.data.get("revoke") is not revoke:
+        control_command(variadic="task_id", signature="[id1 [id2 [... [idN]]]]")(revoke)
 
 
 class IntakeStep(bootsteps.StartStopStep):

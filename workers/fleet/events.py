@@ -3,9 +3,11 @@
 vlmq's batched intake consumes the modality queues instead of Celery's
 consumer, so Celery would send no task events for them. With
 ``VLMQ_FLEET__TASK_EVENTS=true`` the worker publishes the standard
-``task-received``, ``task-started``, ``task-succeeded`` / ``task-failed``
-events itself (JSON, on the broker's event exchange), which Flower and
-``celery events`` understand. Off by default: three extra publishes per task.
+``task-received`` (a message read), ``task-started``, and once the outcome is
+the task's (settled) ``task-succeeded`` with the result a Celery caller gets,
+``task-failed`` with its exception or ``task-revoked`` (expired) itself (JSON, on
+the broker's event exchange), which Flower and ``celery events`` understand.
+Off by default: three extra publishes per task.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vlmq.config.wire import TASK_NAME
+from celery.utils.saferepr import saferepr
+
+from vlmq.config.wire import TASK_NAME, Envelope
+from vlmq.workers.fleet.celery_results import outcome
 from vlmq.workers.fleet.observer import LoopObserver
 
 __all__ = ["TaskEvents"]
 
 log = logging.getLogger(__name__)
+
+# Flower shows a result's repr: as Celery's worker cuts it (resultrepr_maxsize).
+RESULT_REPR_CHARS = 1024
 
 
 class TaskEvents(LoopObserver):
@@ -50,42 +58,66 @@ class TaskEvents(LoopObserver):
         except Exception:  # events are best effort: never break the batch loop
             log.warning("could not publish a %s event", kind, exc_info=True)
 
+    def received(self, envelopes: Sequence[Envelope]) -> None:
+        now = time.time()
+        for envelope in envelopes:
+            headers = envelope.headers
+            self._send(
+                "task-received",
+                uuid=envelope.task_id,
+                name=str(headers.get("task") or TASK_NAME),
+                args="()",
+                kwargs="{...}",  # never the request: it may hold media
+                retries=0,
+                eta=None,
+                root_id=headers.get("root_id"),
+                parent_id=headers.get("parent_id"),
+                timestamp=now,
+            )
+
     def started(self, task_ids: Sequence[str]) -> None:
         now = time.time()
         for task_id in task_ids:
-            self._send(
-                "task-received",
-                uuid=task_id,
-                name=TASK_NAME,
-                args="()",
-                kwargs="{...}",
-                retries=0,
-                eta=None,
-                timestamp=now,
-            )
             self._send("task-started", uuid=task_id, timestamp=now)
 
-    def result(self, record: Mapping[str, Any]) -> None:
+    def settled(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """The outcome once it is the task's (a superseded delivery's never is), with the
+        result or exception a Celery caller gets (workers/fleet/celery_results.py)."""
+        for record in records:
+            self._outcome(record)
+
+    def _outcome(self, record: Mapping[str, Any]) -> None:
         timings = record.get("timings") or {}
         started, finished = timings.get("started_at"), timings.get("finished_at")
         runtime = (finished - started) if started and finished else None
-        if record.get("status") == "succeeded":
+        timestamp = finished or time.time()
+        state, value = outcome(record)
+        if state == "SUCCESS":
+            result = saferepr(value, RESULT_REPR_CHARS)
             self._send(
                 "task-succeeded",
                 uuid=record["id"],
-                result="stored",
+                result=result,
                 runtime=runtime,
-                timestamp=finished or time.time(),
+                timestamp=timestamp,
             )
-            return
-        error = record.get("error") or {}
-        self._send(
-            "task-failed",
-            uuid=record["id"],
-            exception=f"{error.get('code')}: {error.get('message')}",
-            traceback="",
-            timestamp=finished or time.time(),
-        )
+        elif state == "REVOKED":
+            self._send(
+                "task-revoked",
+                uuid=record["id"],
+                expired=True,
+                terminated=False,
+                signum=None,
+                timestamp=timestamp,
+            )
+        else:
+            self._send(
+                "task-failed",
+                uuid=record["id"],
+                exception=repr(value),
+                traceback="",
+                timestamp=timestamp,
+            )
 
     def close(self) -> None:
         with self._lock:

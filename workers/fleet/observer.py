@@ -12,6 +12,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vlmq.config.wire import Envelope
+
 __all__ = ["LoopObserver", "Observers"]
 
 log = logging.getLogger(__name__)
@@ -19,6 +21,10 @@ log = logging.getLogger(__name__)
 
 class LoopObserver:
     """Every hook the loop calls; each does nothing unless overridden."""
+
+    def received(self, envelopes: Sequence[Envelope]) -> None:
+        """These pulled messages were read (headers, properties, embed), before they are
+        admitted, run or failed (those that could not be read at all are not here)."""
 
     def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
         """A batch of ``size`` requests is about to run."""
@@ -40,7 +46,8 @@ class LoopObserver:
 
     def settled(self, records: Sequence[Mapping[str, Any]]) -> None:
         """These result records are their tasks' results now: stored and settled (the
-        terminal status points at them); called once per settle, off the loop's thread."""
+        terminal status points at them, ``result_url`` in each, when stored); called once per
+        settle, off the loop's thread."""
 
     def dropped(self, count: int) -> None:
         """A pull dropped copies of tasks already finished or held by a live holder."""
@@ -78,6 +85,9 @@ class Observers(LoopObserver):
                 getattr(observer, hook)(*args)
             except Exception:
                 log.warning("observer %s.%s failed", type(observer).__name__, hook, exc_info=True)
+
+    def received(self, envelopes: Sequence[Envelope]) -> None:
+        self._each("received", envelopes)
 
     def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
         self._each("batch", modality, size, max_size, redelivered)

@@ -26,6 +26,7 @@ from redis import Redis, RedisError
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
 from vlmq.config.errors import ConfigError
 from vlmq.config.feeding import Feeder
+from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import FleetSettings, Settings
@@ -165,6 +166,7 @@ class WorkerService:
         self.loop: BatchLoop | PrepareLoop | None = None
         self.feeder: Feeder | None = None
         self.records = fleet_state(self.redis, settings.fleet).workers
+        self.celery_results: Any = None  # CeleryResults, when results are recorded
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
 
@@ -180,6 +182,12 @@ class WorkerService:
         if settings.fleet.task_events:
             broker, transport = celery_broker(settings)
             observers.append(TaskEvents(broker, self.name.replace(":", "-"), transport))
+        if settings.celery.enabled:
+            from vlmq.workers.fleet.celery_results import CeleryResults
+
+            state = fleet_state(self.redis, settings.fleet)
+            self.celery_results = CeleryResults.for_settings(settings, self.hostname, state)
+            observers.append(self.celery_results)
         self.loop = compose_loop(
             settings, self.modalities, self.engine, self.name, self.redis, store, observers
         )
@@ -198,6 +206,36 @@ class WorkerService:
         fleet = settings.fleet
         self.feeder = Feeder.for_fleet(fleet_state(create_redis(settings), fleet), store, fleet)
         return self
+
+    @property
+    def hostname(self) -> str:
+        """This worker's name as Celery shows it (no colons)."""
+        return self.name.replace(":", "-")
+
+    def revoke(self, task_ids: Sequence[str]) -> dict[str, str]:
+        """A Celery revoke (``AsyncResult.revoke()``, ``app.control.revoke``), through vlmq's
+        cancel: a queued task, or one pulled but not started (prefetched), never runs and is
+        REVOKED; a job's id cancels the job's queued tasks. A running task is not stopped.
+        Every worker hears the broadcast; the first one's cancel moves the task (safe to
+        repeat). Returns what happened to each id."""
+        state = fleet_state(self.redis, self.settings.fleet)
+        done: dict[str, str] = {}
+        cancelled = []
+        for task_id in task_ids:
+            if not valid_id(task_id):
+                done[task_id] = "not a vlmq id"
+            elif state.jobs.exists(task_id):
+                done[task_id] = f"job: {state.cancel(task_id)} queued tasks cancelled"
+                if self.celery_results is not None:
+                    self.celery_results.revoked_job(task_id)
+            elif state.cancel(task_id, unseen=True):
+                done[task_id] = "cancelled"
+                cancelled.append(task_id)
+            else:
+                done[task_id] = "not queued (running or ended): not stopped"
+        if cancelled and self.celery_results is not None:
+            self.celery_results.revoked(cancelled)
+        return done
 
     def _metrics(self) -> WorkerMetrics:
         """Process-wide metrics, served over HTTP when a port is configured (a private

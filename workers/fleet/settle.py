@@ -107,6 +107,12 @@ class Settlement:
     def key(self) -> str:
         return result_key(self.task_id, self.record.get("job_id"), self.token)
 
+    def settled_record(self) -> dict[str, Any]:
+        """The record as the ``settled`` hook hears of it: with its ``result_url`` once
+        stored."""
+        url = self.fields.get("result_url")
+        return self.record if url is None else {**self.record, "result_url": url}
+
     def unstored(self, reason: str) -> Settlement:
         """This settlement as a failure without a result object (the store refused it)."""
         error = ResultNotStored(f"the result could not be stored: {reason}"[:500])
@@ -242,7 +248,7 @@ class Settler:
         won = [s for s, done in zip(settlements, settled, strict=True) if done.held]
         lost = [(s, done) for s, done in zip(settlements, settled, strict=True) if not done.held]
         if won:
-            self.observer.settled([s.record for s in won])
+            self.observer.settled([s.settled_record() for s in won])
         if lost:
             log.warning("%d results of superseded deliveries discarded", len(lost))
             self.observer.superseded([s.task_id for s, _ in lost])

@@ -34,13 +34,13 @@ from vlmq.config.state import State
 from vlmq.config.state.intake import Delivery, Pull
 from vlmq.config.state.tasks import ENDED, Move
 from vlmq.config.status import TaskState
-from vlmq.config.wire import TaskMessage, WireError, decode_message
+from vlmq.config.wire import Envelope, TaskMessage, WireError, decode_envelope, decode_message
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import REPAIRED_RESULTS, Settlement, Settler, Stored
 from vlmq.workers.fleet.work import Work, failure_settlement
 
-__all__ = ["Triage", "parse_delivery"]
+__all__ = ["Triage", "parse_delivery", "parse_request", "read_envelope"]
 
 # The id the pull gives a message that names no task of its own (lua/intake.lua, identity).
 INVALID_PREFIX = "invalid-"
@@ -73,7 +73,18 @@ class Triage:
         """The pulled work that may run (still queued); everything else is settled."""
         if pull.dropped:
             self.observer.dropped(pull.dropped)
-        work = [item for item in map(self._decode, pull.deliveries) if item is not None]
+        read = [item for item in map(self._decode, pull.deliveries) if item is not None]
+        # Observers hear of every message read before any of them is settled (a Celery
+        # caller's failure needs the message's headers: workers/fleet/celery_results.py).
+        envelopes = [item.envelope for item, _ in read if item.envelope is not None]
+        if envelopes:
+            self.observer.received(envelopes)
+        work = []
+        for item, error in read:
+            if error is None:
+                work.append(item)
+            else:
+                self.fail(item, error)
         work = self._repair(work)
         return [item for item in work if self._admit(item, pull.now)]
 
@@ -104,7 +115,9 @@ class Triage:
         return [item for item in work if item.task_id not in done]
 
     # decode ------------------------------------------------------------------
-    def _decode(self, delivery: Delivery) -> Work | None:
+    def _decode(self, delivery: Delivery) -> tuple[Work, InvalidRequest | None] | None:
+        """The work a delivery is, and why it cannot run (None: it may); None for a dead
+        letter (settled here, before it is even read)."""
         item = Work(delivery, status=dict(delivery.status))
         if delivery.token > self.fleet.max_unstarted_deliveries and not item.attempts:
             self._dead_letter(item, f"delivered {delivery.token} times without ever starting")
@@ -117,14 +130,11 @@ class Triage:
             self._dead_letter(item, reason)
             return None
         try:
-            item.message, item.request = self._parse(delivery)
+            item.envelope = read_envelope(delivery, self.fleet.max_message_bytes)
+            item.message, item.request = parse_request(delivery, item.envelope)
         except InvalidRequest as exc:
-            self.fail(item, exc)
-            return None
-        return item
-
-    def _parse(self, delivery: Delivery) -> tuple[TaskMessage, Request]:
-        return parse_delivery(delivery, self.fleet.max_message_bytes)
+            return item, exc
+        return item, None
 
     # admit -------------------------------------------------------------------
     def _admit(self, item: Work, now: float) -> bool:
@@ -226,11 +236,8 @@ def _stored_settlement(item: Work, stored: Stored) -> Settlement | None:
     return Settlement(dict(record), state, fields, item.token)
 
 
-def parse_delivery(delivery: Delivery, max_message_bytes: int) -> tuple[TaskMessage, Request]:
-    """The message and its request, or InvalidRequest saying what is wrong. The task is
-    the one the pull named (``lua/intake.lua``, identity); nothing read here names
-    another. A message's request joins only the job its task's hash names (the job that
-    counted it): a plain message that names a job in its request joins none."""
+def read_envelope(delivery: Delivery, max_message_bytes: int) -> Envelope:
+    """The message's headers, properties and body, or InvalidRequest."""
     if delivery.task_id.startswith(INVALID_PREFIX):
         raise InvalidRequest(
             "the message names no task of its own: its id is not a plain id "
@@ -239,9 +246,24 @@ def parse_delivery(delivery: Delivery, max_message_bytes: int) -> tuple[TaskMess
     if len(delivery.raw) > max_message_bytes:
         raise InvalidRequest(f"the message is larger than {max_message_bytes} B")
     try:
-        message = decode_message(delivery.raw)
-        if message.task_id != delivery.task_id:
-            raise WireError("the message's header id cannot be read one way")
+        envelope = decode_envelope(delivery.raw)
+    except WireError as exc:
+        raise InvalidRequest(str(exc)) from None
+    except Exception:
+        log.exception("message %s could not be decoded", delivery.task_id)
+        raise InvalidRequest("the message could not be decoded") from None
+    if envelope.task_id != delivery.task_id:
+        raise InvalidRequest("the message's header id cannot be read one way")
+    return envelope
+
+
+def parse_request(delivery: Delivery, envelope: Envelope) -> tuple[TaskMessage, Request]:
+    """The message and its request, or InvalidRequest saying what is wrong. The task is
+    the one the pull named (``lua/intake.lua``, identity); nothing read here names
+    another. A message's request joins only the job its task's hash names (the job that
+    counted it): a plain message that names a job in its request joins none."""
+    try:
+        message = decode_message(delivery.raw, envelope)
         fields = {**message.request, "id": delivery.task_id}
         fields["job_id"] = delivery.status.get("job_id")
         request = Request.model_validate(fields)
@@ -254,3 +276,9 @@ def parse_delivery(delivery: Delivery, max_message_bytes: int) -> tuple[TaskMess
         log.exception("message %s could not be decoded", delivery.task_id)
         raise InvalidRequest("the message could not be decoded") from None
     return message, request
+
+
+def parse_delivery(delivery: Delivery, max_message_bytes: int) -> tuple[TaskMessage, Request]:
+    """``read_envelope`` then ``parse_request``: a delivery's request, or InvalidRequest (the
+    prepare tier reads requests the same way the GPU worker's triage does)."""
+    return parse_request(delivery, read_envelope(delivery, max_message_bytes))

@@ -11,7 +11,7 @@ from vlmq.config.schemas import Request, Result
 from vlmq.config.state.intake import Delivery
 from vlmq.config.status import TaskState
 from vlmq.config.tenants import DEFAULT_TENANT
-from vlmq.config.wire import TaskMessage
+from vlmq.config.wire import Envelope, TaskMessage
 from vlmq.workers.fleet.settle import Settlement
 
 __all__ = ["Work", "failed_result", "failure_settlement", "result_settlement"]
@@ -20,6 +20,7 @@ __all__ = ["Work", "failed_result", "failure_settlement", "result_settlement"]
 @dataclass
 class Work:
     delivery: Delivery
+    envelope: Envelope | None = None  # the message's headers, properties and body, once read
     message: TaskMessage | None = None
     request: Request | None = None
     status: dict[str, str] = field(default_factory=dict)

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format settings-docs bench clean
+.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format settings-docs bench gpu-wheels clean
 
 ## help: list the targets
 help:
@@ -84,6 +84,29 @@ settings-docs: setup
 ## bench: the performance report (bench/REPORT.md + bench/throughput.png)
 bench: setup
 	$(BIN)/python -m bench.report
+
+# The GPU machine's image (Python 3.12, torch 2.11, transformers 5.17, no network) lacks these
+# packages that `bash bench/gpu.sh --media` imports (found by importing it in a venv with the
+# machine's packages); pinned to the versions the worker extra resolves here. No redis, celery
+# or boto3: the check runs in one process. llguidance: the engine builds its constraint view at
+# load (its wheel is manylinux_2_31: glibc 2.31 or newer; Python 3.12.3 there is Ubuntu 24.04's).
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 \
+	python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 av==18.1.0 \
+	zstandard==0.25.0 llguidance==1.9.1
+GPU_WHEELS_DIR := .whl
+GPU_WHEELS_MAX_MIB := 60
+GPU_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+
+## gpu-wheels: the wheels the GPU machine lacks for `bash bench/gpu.sh --media` (CPython 3.12, x86-64) into .whl/; fails over 60 MiB
+gpu-wheels:
+	rm -rf $(GPU_WHEELS_DIR)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	@ls -l $(GPU_WHEELS_DIR)/*.whl | awk '{printf "  %7.2f MiB  %s\n", $$5 / 1048576, $$9}'
+	@bytes=$$(cat $(GPU_WHEELS_DIR)/*.whl | wc -c); \
+	 echo "gpu-wheels: $$(ls $(GPU_WHEELS_DIR)/*.whl | wc -l) wheels, $$(awk "BEGIN {printf \"%.2f\", $$bytes / 1048576}") MiB in $(GPU_WHEELS_DIR)/ (limit $(GPU_WHEELS_MAX_MIB) MiB)"; \
+	 if [ $$bytes -gt $$(( $(GPU_WHEELS_MAX_MIB) * 1048576 )) ]; then \
+	   echo "gpu-wheels: over $(GPU_WHEELS_MAX_MIB) MiB: too large to travel with a device call" >&2; exit 1; fi
 
 ## clean: remove run and tool caches (not the virtualenv)
 clean:

@@ -9,13 +9,22 @@
 #   bash bench/gpu.sh --cpu-smoke     # same code path on CPU: tiny dims, fp32, < 60 s
 #   VLMQ_GPU_BENCH_CPU_SMOKE=1 bash bench/gpu.sh
 #   bash bench/gpu.sh --engines       # HF vs vLLM (bench.engines --size real), where vllm imports
+#   bash bench/gpu.sh --media         # media on the GPU and the prepare tier (bench.gpu_media)
+#   bash bench/gpu.sh --media --cpu-smoke
 #
-# Other options: python -m bench.gpu_bench --help
+# --media runs on the GPU machine's image as it is: `make gpu-wheels` (here) puts the wheels
+# it lacks (pydantic, pydantic-settings, av, zstandard, llguidance) in .whl/, which travels;
+# when the Python here cannot import them, they are installed into a temporary target
+# ($VLMQ_GPU_SITE, default /tmp/vlmq-site) put first on PYTHONPATH. PYTHON=... picks the Python.
+#
+# Other options: python -m bench.gpu_bench --help, python -m bench.gpu_media --help
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-if [[ -x .venv/bin/python ]]; then
+if [[ -n "${PYTHON:-}" ]]; then
+    :
+elif [[ -x .venv/bin/python ]]; then
     PYTHON=.venv/bin/python
 else
     PYTHON=python3
@@ -35,6 +44,25 @@ if [[ "${1:-}" == "--engines" ]]; then
     echo "[$(date +%H:%M:%S)] $PYTHON -m bench.engines --size real --vllm-python $PYTHON $*"
     exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
         "$PYTHON" -m bench.engines --size real --vllm-python "$PYTHON" "$@"
+fi
+
+if [[ "${1:-}" == "--media" ]]; then
+    shift
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    if ! "$PYTHON" -c 'import pydantic, pydantic_settings, av, zstandard, llguidance' 2>/dev/null; then
+        wheels=(.whl/*.whl)
+        if [[ ! -e "${wheels[0]}" ]]; then
+            echo "gpu.sh: $PYTHON lacks pydantic, pydantic-settings, av, zstandard or llguidance and .whl/ has no wheels: run 'make gpu-wheels' where pip works" >&2
+            exit 2
+        fi
+        site="${VLMQ_GPU_SITE:-/tmp/vlmq-site}"
+        echo "[$(date +%H:%M:%S)] installing ${#wheels[@]} wheels from .whl/ into $site"
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
+        export PYTHONPATH="$site:$PYTHONPATH"
+    fi
+    echo "[$(date +%H:%M:%S)] PYTHONPATH=$PYTHONPATH $PYTHON -m bench.gpu_media $*"
+    exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
+        "$PYTHON" -m bench.gpu_media "$@"
 fi
 
 echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench $*"

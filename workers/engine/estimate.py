@@ -42,12 +42,25 @@ def _video_tokens(processor: Any, family: str, videos: list[tuple[int, int, int]
     if family == "internvl":
         seq = int(processor.image_seq_length)
         return [internvl_video_tokens(frames, seq) for frames, _, _ in videos]
-    data = processor._get_num_multimodal_tokens(video_sizes=[list(v) for v in videos])
     # The template's own tokens around the frames (Qwen3-VL's timestamps) come on top.
     return [
-        int(n) + video_wrapper_tokens(family, frames)
-        for n, (frames, _, _) in zip(data.num_video_tokens, videos, strict=True)
+        n + video_wrapper_tokens(family, frames)
+        for n, (frames, _, _) in zip(_video_patch_tokens(processor, videos), videos, strict=True)
     ]
+
+
+def _video_patch_tokens(processor: Any, videos: list[tuple[int, int, int]]) -> list[int]:
+    """Each video's visual tokens by the processor's arithmetic. transformers 5.17 (the GPU
+    machine's) breaks its own helper for videos (it calls a video processor method that does
+    not exist, and ``merge_size`` is set only when images are asked too): the video
+    processor's own count is what later releases use there."""
+    try:
+        data = processor._get_num_multimodal_tokens(video_sizes=[list(v) for v in videos])
+        return [int(n) for n in data.num_video_tokens]
+    except (AttributeError, NameError):
+        video = processor.video_processor
+        merge = int(video.merge_size)
+        return [int(video.get_num_of_video_patches(*v, {})) // merge**2 for v in videos]
 
 
 def estimate_prompt_tokens(

@@ -5,9 +5,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
-
-from botocore.exceptions import BotoCoreError, ClientError
+from typing import TYPE_CHECKING, Any
 
 from vlmq.config.errors import (
     InvalidRequest,
@@ -19,6 +17,9 @@ from vlmq.config.errors import (
 )
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.deadline import Deadline, call_with_deadline
+
+if TYPE_CHECKING:
+    from botocore.exceptions import ClientError
 
 __all__ = ["S3ClientFactory", "S3Fetcher", "is_allowed", "parse_s3_url"]
 
@@ -86,6 +87,10 @@ class S3Fetcher:
         if not is_allowed(bucket, key, self._settings):
             raise MediaForbidden("media bucket is not allowed")
         client = self._get_client()
+        # Imported with a client only: a worker that reads no s3:// media (the GPU check on a
+        # machine without boto3) needs no botocore.
+        from botocore.exceptions import BotoCoreError, ClientError
+
         cancelled = threading.Event()
         try:
             head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
@@ -114,6 +119,8 @@ class S3Fetcher:
         if not is_allowed(bucket, key, self._settings):
             raise MediaForbidden("media bucket is not allowed")
         client = self._get_client()
+        from botocore.exceptions import BotoCoreError, ClientError
+
         try:
             head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
         except VlmqError:

@@ -230,7 +230,20 @@ def known_variables() -> set[str]:
         | cli_variables(cli)
         | set(re.findall(r"\$\{(VLMQ_[A-Z0-9_]+)", compose))
         | hook
+        | tool_variables()
     )
+
+
+def tool_variables() -> set[str]:
+    """Variables the benches and tests read themselves (``os.environ``, ``${...}`` in a
+    script): documented for contributors, no setting."""
+    read = re.compile(r"""environ(?:\.get\(|\[)\s*["'](VLMQ_[A-Z0-9_]+)|\$\{(VLMQ_[A-Z0-9_]+)""")
+    found = set()
+    for path in [*(ROOT / "bench").glob("*.py"), *(ROOT / "bench").glob("*.sh")]:
+        found |= {a or b for a, b in read.findall(path.read_text())}
+    for path in (ROOT / "tests").rglob("*.py"):
+        found |= {a or b for a, b in read.findall(path.read_text())}
+    return found
 
 
 # --- the checks ----------------------------------------------------------------------------

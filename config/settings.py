@@ -324,6 +324,9 @@ class ApiSettings(BaseModel):
     # Estimate each batch's tokens (visual ones from image headers and video metadata) while
     # it is validated, shown on the batch object; costs the validation pass ~0.3 ms a line.
     preflight: bool = True
+    # POST /v1/chat/completions waits this long for its task, then answers 504 with the task's
+    # status URL (the task keeps its place and runs; its result stays readable there).
+    sync_timeout_s: float = Field(300.0, gt=0)
 
 
 class WebhookSettings(BaseModel):

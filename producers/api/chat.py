@@ -17,12 +17,12 @@ a 400, as OpenAI answers it (``openai_route.py``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from vlmq.config.schemas import Request
@@ -71,6 +71,23 @@ async def _next_outcome(ctx: ApiContext, watch: Watch, timeout: float) -> Outcom
     return None
 
 
+async def _stream(
+    ctx: ApiContext, watch: Watch, timeout_s: float, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The stream's events; the watch ends with it, however it ends (a client that hung up
+    leaves a generator the event loop closes)."""
+    try:
+        async for event in sse_answer(
+            lambda slice_s: _next_outcome(ctx, watch, slice_s),
+            _timeout_error(watch.task_id, timeout_s),
+            timeout_s,
+            include_usage,
+        ):
+            yield event
+    finally:
+        watch.close()
+
+
 def _timeout_error(task_id: str, timeout_s: float) -> ApiError:
     url = status_url(task_id)
     message = (
@@ -109,17 +126,9 @@ async def create_chat_completion(body: Body, http: HttpRequest) -> Response:
         raise
     timeout_s = ctx.settings.api.sync_timeout_s
     if stream:
-        events = sse_answer(
-            lambda slice_s: _next_outcome(ctx, watch, slice_s),
-            _timeout_error(request.id, timeout_s),
-            timeout_s,
-            include_usage,
-        )
+        events = _stream(ctx, watch, timeout_s, include_usage)
         headers = {TASK_HEADER: request.id, "Cache-Control": "no-cache"}
-        done = BackgroundTask(watch.close)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers=headers, background=done
-        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     try:
         outcome = await _next_outcome(ctx, watch, timeout_s)
     finally:

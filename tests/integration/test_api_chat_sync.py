@@ -39,6 +39,7 @@ from vlmq.producers.client import Client
 from vlmq.workers.testing.services import free_port, wait_until
 
 KEY = "test-key-0123456789"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_chat.py"
 TENANT_KEY = "tenant-b-key-0123456789"
 # Typed loosely: the client types messages as TypedDicts.
 TEXT: Any = [{"role": "user", "content": "hello"}]
@@ -154,7 +155,9 @@ def tiny_engine(settings: Settings, checkpoint: Any) -> Iterator[Any]:
         engine.close()
 
 
-def test_parse_with_a_pydantic_model_and_an_image_on_the_real_engine(settings, oai, tiny_engine):
+def test_parse_with_a_pydantic_model_and_an_image_on_the_real_engine(
+    settings, oai, server, tiny_engine, tmp_path
+):
     image = [
         {"type": "image_url", "image_url": {"url": _png_data_uri()}},
         {"type": "text", "text": "Is it red?"},
@@ -167,6 +170,7 @@ def test_parse_with_a_pydantic_model_and_an_image_on_the_real_engine(settings, o
         pictured = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
         question: Any = [{"role": "user", "content": "Is it red?"}]
         plain = oai.chat.completions.create(model="tiny", messages=question, max_tokens=4)
+        example = _run_example(server, tmp_path)
     verdict = parsed.choices[0].message.parsed
     assert isinstance(verdict, Verdict), parsed.choices[0].message.content
     assert parsed.choices[0].finish_reason == "stop"
@@ -175,6 +179,25 @@ def test_parse_with_a_pydantic_model_and_an_image_on_the_real_engine(settings, o
     assert pictured.usage is not None and plain.usage is not None
     assert pictured.usage.prompt_tokens > plain.usage.prompt_tokens
     assert 0 < pictured.usage.completion_tokens <= 4
+    # examples/openai_chat.py runs as it is, against the same server (its last step, the
+    # timeout, does not happen here: the call is answered).
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert "parse: answer=" in example.stdout and "stream finished: " in example.stdout
+
+
+def _run_example(server: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    from PIL import Image
+
+    image = tmp_path / "photo.png"
+    Image.new("RGB", (48, 32), (20, 120, 200)).save(image)
+    env = {
+        **os.environ,
+        "VLMQ_OPENAI_BASE_URL": f"{server}/v1",
+        "VLMQ_OPENAI_API_KEY": KEY,
+        "VLMQ_OPENAI_TIMEOUT_S": "60",
+    }
+    command = [sys.executable, str(EXAMPLE), str(image)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_stream_answers_openai_chunks_then_done(settings, oai, server):
@@ -217,7 +240,7 @@ def test_stream_answers_openai_chunks_then_done(settings, oai, server):
 
 
 def test_a_call_that_waits_too_long_answers_504_with_the_status_url(
-    redis_server, moto_server, request
+    redis_server, moto_server, request, monkeypatch
 ):
     settings = _settings(redis_server, moto_server, request.node.name, sync_timeout_s=0.3)
     with uvicorn_server(create_app(settings)) as url:
@@ -242,20 +265,28 @@ def test_a_call_that_waits_too_long_answers_504_with_the_status_url(
             status = wait_for_state(lambda: _get(oai, body["status_url"]).json(), {"succeeded"})
         assert status["id"] == task_id
         # A stream gives up the same way, with an error event and [DONE] (kept alive first).
-        chat_stream.KEEPALIVE_S, kept = 0.05, chat_stream.KEEPALIVE_S
-        try:
-            raw = httpx.post(
-                f"{url}/v1/chat/completions",
-                json={"model": "any", "messages": TEXT, "stream": True},
-                headers={"Authorization": f"Bearer {KEY}"},
-                timeout=30,
-            )
-        finally:
-            chat_stream.KEEPALIVE_S = kept
+        monkeypatch.setattr(chat_stream, "KEEPALIVE_S", 0.05)
+        raw = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "any", "messages": TEXT, "stream": True},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=30,
+        )
     events = [line for line in raw.text.split("\n\n") if line]
     assert raw.status_code == 200 and events[0] == ": keepalive"
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "timeout"
+
+
+def test_a_stream_whose_client_hangs_up_stops_watching(settings, app, server, monkeypatch):
+    monkeypatch.setattr(chat_stream, "KEEPALIVE_S", 0.05)
+    body = {"model": "any", "messages": TEXT, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers) as r:
+        assert next(r.iter_bytes()).startswith(b": keepalive")
+        assert app.state.waiter.waiting == 1
+    # The next keep-alive finds the connection gone; the stream ends and its watch with it.
+    wait_until(lambda: app.state.waiter.waiting == 0, timeout=10, what="the watch to close")
 
 
 def test_failures_answer_openai_errors_with_their_status(settings, oai, server):

@@ -14,9 +14,9 @@ asyncio ``httpx`` client in this process:
   its status hash): what the HTTP round trips, the API's work before the enqueue and the
   wait's wake-up and reads cost. p50 / p90 / p99 over ``--calls`` calls;
 * **calls/s with N in flight**: N client loops each making calls back to back, ``--calls``
-  (at least 2N) calls in all, completed calls over the wall time; and the API process's CPU
-  time per call in the same runs (from /proc), the figure a machine shared with other work
-  moves least.
+  (at least 2N) calls in all, completed calls over the wall time; and the CPU time per call
+  of the API process (from /proc), the figure a machine shared with other work moves least,
+  and of the client's process (which bounds the calls/s where it grows).
 
 Each repeat runs both ways in turn (the order alternates); figures are medians of the repeats
 with their range.
@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -199,9 +200,9 @@ async def added_latency(fleet: Fleet, way: str, calls: int, poll_s: float) -> li
 
 async def throughput(
     fleet: Fleet, way: str, calls: int, in_flight: int, poll_s: float
-) -> tuple[float, float]:
-    """Completed calls per second with ``in_flight`` calls at a time, and the API process's
-    CPU milliseconds per call."""
+) -> tuple[float, float, float]:
+    """Completed calls per second with ``in_flight`` calls at a time, and the CPU milliseconds
+    per call of the API process and of this (the client's) process."""
     call = CALLS[way]
     total = max(calls, 2 * in_flight)
     left = total
@@ -213,10 +214,16 @@ async def throughput(
             await call(http, poll_s)
 
     async with _client(fleet, in_flight) as http:
-        cpu, started = fleet.api_cpu_s(), time.perf_counter()
+        api, client, started = fleet.api_cpu_s(), _own_cpu_s(), time.perf_counter()
         await asyncio.gather(*(loop(http) for _ in range(in_flight)))
         rate = total / (time.perf_counter() - started)
-        return rate, (fleet.api_cpu_s() - cpu) / total * 1000
+        per_call = 1000 / total
+        return rate, (fleet.api_cpu_s() - api) * per_call, (_own_cpu_s() - client) * per_call
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 # the run -------------------------------------------------------------------------------------
@@ -232,6 +239,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     rates: dict[str, dict[int, list[float]]] = {w: {n: [] for n in levels} for w in WAYS}
     cpu: dict[str, dict[int, list[float]]] = {w: {n: [] for n in levels} for w in WAYS}
+    client: dict[str, dict[int, list[float]]] = {w: {n: [] for n in levels} for w in WAYS}
     with fleet() as running:
         for repeat in range(args.repeats):
             ways = WAYS if repeat % 2 == 0 else WAYS[::-1]
@@ -240,15 +248,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for name, share in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
                     latency[way][name].append(_percentile(added, share))
                 for n in levels:
-                    rate, ms = asyncio.run(throughput(running, way, args.calls, n, args.poll_s))
+                    rate, api_ms, client_ms = asyncio.run(
+                        throughput(running, way, args.calls, n, args.poll_s)
+                    )
                     rates[way][n].append(rate)
-                    cpu[way][n].append(ms)
+                    cpu[way][n].append(api_ms)
+                    client[way][n].append(client_ms)
                 print(
                     f"repeat {repeat + 1} {way}: added p50 {latency[way]['p50'][-1]:.1f} ms, "
                     + ", ".join(f"N={n} {rates[way][n][-1]:.0f}/s" for n in levels),
                     file=sys.stderr,
                 )
-    return {"latency": latency, "rates": rates, "cpu": cpu, "levels": levels}
+    return {"latency": latency, "rates": rates, "cpu": cpu, "client": client, "levels": levels}
 
 
 def _cell(values: list[float], digits: int = 1) -> str:
@@ -293,15 +304,17 @@ def render(args: argparse.Namespace, figures: dict[str, Any], load: str) -> str:
         lines.append(f"| {names[way]} | {cells} |")
     lines += [
         "",
-        "**API process CPU per call** (ms, in the same runs: the figure a loaded machine "
-        "does not move)",
+        "**CPU per call** (ms, in the same runs: the API process, and the client's, which "
+        "bounds the calls/s where it grows)",
         "",
-        "| way | " + " | ".join(f"N={n}" for n in levels) + " |",
+        "| process, way | " + " | ".join(f"N={n}" for n in levels) + " |",
         "| --- | " + " | ".join("---:" for _ in levels) + " |",
     ]
-    for way in WAYS:
-        cells = " | ".join(_cell(figures["cpu"][way][n]) for n in levels)
-        lines.append(f"| {names[way]} | {cells} |")
+    for process in ("cpu", "client"):
+        for way in WAYS:
+            cells = " | ".join(_cell(figures[process][way][n]) for n in levels)
+            who = "API" if process == "cpu" else "client"
+            lines.append(f"| {who}, {names[way]} | {cells} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,8 @@ every watched task in one round trip and wakes those that ended meanwhile. A sil
 connection is found by a PING every few seconds: no reply in ``_SILENT_S`` drops it.
 
 Waiting costs an ``asyncio.Event`` per call, no thread: thousands of waiting calls cost
-memory only.
+memory only. A watch is held weakly, so it also ends with whatever held it (a stream's
+generator dropped unstarted when its client left) even if no one closed it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import weakref
 from typing import Any
 
 from vlmq.config.connection import create_async_redis
@@ -85,28 +87,26 @@ class TaskWaiter:
         self.listener = listener or f"api-{secrets.token_hex(8)}"
         self.channel = self.keys.finished_channel(self.listener)
         self.subscriptions = 0  # times the subscription was made (logs, tests)
-        self._watches: dict[str, set[Watch]] = {}
+        # One watch per task (a call's own new task), held weakly: see the module's note.
+        self._watches: weakref.WeakValueDictionary[str, Watch] = weakref.WeakValueDictionary()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def waiting(self) -> int:
         """Watches open now."""
-        return sum(len(watches) for watches in self._watches.values())
+        return len(self._watches)
 
     def watch(self, task_id: str) -> Watch:
-        """A watch on ``task_id``, to take before the task is enqueued (in the event loop)."""
+        """The watch on ``task_id``, to take before the task is enqueued (in the event loop);
+        it replaces an earlier one of the same task."""
         self._ensure_listening()
         watch = Watch(self, task_id)
-        self._watches.setdefault(task_id, set()).add(watch)
+        self._watches[task_id] = watch
         return watch
 
     def forget(self, watch: Watch) -> None:
-        watches = self._watches.get(watch.task_id)
-        if watches is None:
-            return
-        watches.discard(watch)
-        if not watches:
+        if self._watches.get(watch.task_id) is watch:
             del self._watches[watch.task_id]
 
     async def close(self) -> None:
@@ -192,5 +192,6 @@ class TaskWaiter:
                 self._wake(task_id)
 
     def _wake(self, task_id: str) -> None:
-        for watch in self._watches.get(task_id, ()):
+        watch = self._watches.get(task_id)
+        if watch is not None:
             watch.wake()

@@ -44,6 +44,8 @@ def test_a_task_that_ends_wakes_its_watch_and_only_its_own(settings: Settings) -
         watch_a.close()
         watch_a.close()  # twice is fine
         assert waiter.waiting == 1
+        del watch_b  # a watch its holder dropped without closing it ends with it
+        assert waiter.waiting == 0
         await waiter.close()
 
     asyncio.run(run())

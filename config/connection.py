@@ -33,7 +33,7 @@ own form.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 import redis
@@ -45,12 +45,16 @@ from redis.sentinel import Sentinel, SentinelManagedConnection
 from vlmq.config.errors import ConfigError
 from vlmq.config.settings import Settings
 
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
 __all__ = [
     "CONNECTION_RETRIES",
     "SENTINEL_SCHEME",
     "TRANSIENT_REDIS_ERRORS",
     "SentinelAddress",
     "celery_broker",
+    "create_async_redis",
     "create_redis",
     "parse_sentinel_url",
 ]
@@ -201,6 +205,41 @@ def create_redis(settings: Settings, *, timeout_s: float | None = None) -> redis
     master: redis.Redis = sentinel.master_for(
         address.service,
         connection_class=_MasterConnection,
+        db=address.db,
+        username=address.username,
+        password=address.password,
+        **options,
+    )
+    return master
+
+
+def create_async_redis(settings: Settings) -> aioredis.Redis:
+    """An asyncio client of ``settings.redis_url`` (the master, for a Sentinel URL) with the
+    same decoding and timeouts as :func:`create_redis`, for an event loop's own work (the API's
+    pub/sub listener). Its callers reconnect themselves: a command is not resent here."""
+    import redis.asyncio as aioredis  # only an event loop's process pays for it
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+    timeout = settings.fleet.redis_socket_timeout_s
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "encoding_errors": "replace",
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+    }
+    address = parse_sentinel_url(settings.redis_url)
+    if address is None:
+        return aioredis.Redis.from_url(settings.redis_url, **options)
+    sentinel_timeout = min(timeout, settings.redis_sentinel_timeout_s)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": sentinel_timeout,
+        "socket_connect_timeout": sentinel_timeout,
+    }
+    if settings.redis_sentinel_password:
+        sentinel_kwargs["password"] = settings.redis_sentinel_password
+    sentinel = AsyncSentinel(list(address.sentinels), sentinel_kwargs=sentinel_kwargs)
+    master: aioredis.Redis = sentinel.master_for(
+        address.service,
         db=address.db,
         username=address.username,
         password=address.password,

@@ -672,6 +672,13 @@ class ApiSettings(BaseModel):
         "metadata) while it is validated, shown as the batch object's preflight; costs the "
         "validation pass ~0.3 ms a line.",
     )
+    sync_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="POST /v1/chat/completions waits this long for its task, then answers 504 "
+        "with the task's status URL (the task keeps its place and runs; its result stays "
+        "readable there).",
+    )
 
 
 class WebhookSettings(BaseModel):

@@ -156,11 +156,13 @@ class Client:
         tenant: str | None = None,
         estimates: list[int] | None = None,
         results: bool = False,
+        notify: str | None = None,
     ) -> None:
         """Enqueue requests outside any bulk job's own list (a lane's own list), all or
         nothing, in one script call: each with its status hash, counted in its tenant's quota
         itself (its 'quota' field) and in its job, if it names one. A bulk job's tasks go
-        through ``Jobs.submit`` or a feed instead."""
+        through ``Jobs.submit`` or a feed instead. ``notify``: a pub/sub channel told each
+        task's id when it ends (``Keys.finished_channel``: a process waiting for them)."""
         tenant = tenant or self.tenant
         quota = self.keys.quota(tenant)
         lines = []
@@ -171,7 +173,7 @@ class Client:
                 )
             est = estimates[index] if estimates else None
             line = self.queued(request, lane, expires, tenant, est, results)
-            lines.append(replace(line, fields={**line.fields, "quota": quota}))
+            lines.append(replace(line, fields={**line.fields, "quota": quota, "notify": notify}))
         self.state.jobs.enqueue(tenant, lines)
 
     def submit(
@@ -182,11 +184,13 @@ class Client:
         expires_in_s: float | None = None,
         base_dir: Path | None = None,
         tenant: str | None = None,
+        notify: str | None = None,
         **fields: Any,
     ) -> str:
         """Validate, stage its media and enqueue one conversation; returns its task id.
         Relative media paths resolve against ``base_dir`` (default: the working directory).
-        Raises QuotaExceeded (nothing enqueued) past the tenant's quota."""
+        Raises QuotaExceeded (nothing enqueued) past the tenant's quota. ``notify``: the
+        channel told the task's id when it ends (see ``enqueue``)."""
         tenant = tenant or self.tenant
         request = as_request(conversation, **fields)
         self._refuse_known_ids([request])
@@ -194,7 +198,7 @@ class Client:
         self.check_quota(tenant, 1, sum(estimates or ()))
         request = self.stager.stage(request, base_dir)
         expires = self.expiry_after(expires_in_s)
-        self.enqueue([request], lane, expires, tenant, estimates)
+        self.enqueue([request], lane, expires, tenant, estimates, notify=notify)
         return request.id
 
     def submit_many(

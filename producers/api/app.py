@@ -2,7 +2,7 @@
 
 Producer side only: it imports nothing from ``workers`` and never torch.
 Request flow: metrics → gate (Host, API key → tenant, rate limit, body cap) → routes, each
-answering errors as ``{"error": {"code", "message"}}``.
+answering errors as ``{"error": {"code", "message", "type", "param"}}``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from vlmq import __version__
 from vlmq.config.settings import Settings
-from vlmq.producers.api import health, jobs, openai_batches, tasks, usage
+from vlmq.producers.api import chat, fleet_models, health, jobs, openai_batches, tasks, usage
 from vlmq.producers.api.auth import KeyBook, bearer_scheme
 from vlmq.producers.api.batches import BatchService
 from vlmq.producers.api.context import ApiContext, context
@@ -25,6 +25,7 @@ from vlmq.producers.api.files import FileRegistry
 from vlmq.producers.api.gate import Gate
 from vlmq.producers.api.limits import RateLimiter
 from vlmq.producers.api.metrics import MetricsMiddleware
+from vlmq.producers.api.waiter import TaskWaiter
 from vlmq.producers.client import Client
 
 __all__ = ["create_app"]
@@ -44,10 +45,13 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
 
     files = FileRegistry(ctx.client)
     batches = BatchService(ctx.client, files)
+    # Chat completions wait for their tasks on one subscription per process (waiter.py).
+    waiter = TaskWaiter(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        await waiter.close()
         batches.work.shutdown()
 
     app = FastAPI(
@@ -59,9 +63,11 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.state.files = files
     app.state.batches = batches
+    app.state.waiter = waiter
     install_error_handlers(app)
     secured = [Depends(bearer_scheme)]
-    for router in (tasks.router, jobs.router, openai_batches.router, usage.router):
+    routers = (tasks.router, jobs.router, openai_batches.router, usage.router)
+    for router in (*routers, chat.router, fleet_models.router):
         app.include_router(router, dependencies=secured)
     app.include_router(health.router)
     # Operational, not part of the API contract (Prometheus text format).

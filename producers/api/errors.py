@@ -1,7 +1,9 @@
-"""Every error the API answers is JSON ``{"error": {"code", "message"}}``.
+"""Every error the API answers is JSON ``{"error": {"code", "message", "type", "param"}}``.
 
 Codes are stable and machine-readable; messages are short and written by us,
-never an exception's text, a stack trace or an object repr. Handlers here turn
+never an exception's text, a stack trace or an object repr. ``type`` (the kind of error,
+from the status) and ``param`` (the field at fault, or null) make the body OpenAI's error
+object as well, so an OpenAI client reads every error alike. Handlers here turn
 our own errors, FastAPI's validation errors, routing errors and anything
 unexpected (500 ``internal_error``) into that one shape.
 """
@@ -16,7 +18,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
@@ -24,10 +26,14 @@ from vlmq.config.errors import InvalidRequest, QuotaExceeded, RetryableError, Vl
 
 __all__ = [
     "ApiError",
+    "ApiErrorDetail",
     "ErrorBody",
+    "error_body",
     "error_response",
     "error_responses",
+    "error_type",
     "install_error_handlers",
+    "validation_problem",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,15 +48,40 @@ _HTTP_CODES = {
 }
 
 
+# OpenAI's error ``type`` by status (its own names; 5xx not listed: server_error).
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` of an error answered with ``status``."""
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
 class ErrorDetail(BaseModel):
     code: str
     message: str
 
 
+class ApiErrorDetail(ErrorDetail):
+    type: str | None = Field(None, description="OpenAI's error type (from the status)")
+    param: str | None = Field(None, description="The request field at fault, when one is")
+
+
 class ErrorBody(BaseModel):
     """The body of every error response (documented in the OpenAPI schema)."""
 
-    error: ErrorDetail
+    error: ApiErrorDetail
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -62,32 +93,61 @@ class ApiError(Exception):
     """An error with an HTTP status, raised anywhere inside a request."""
 
     def __init__(
-        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        *,
+        param: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers
+        self.param = param
+        self.extra = extra
+
+
+def error_body(
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The error object; ``extra`` fields (vlmq's own, e.g. a task's status URL) follow."""
+    error = {"code": code, "message": message, "type": error_type(status), "param": param}
+    return {"error": {**error, **(extra or {})}}
 
 
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    *,
+    param: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"code": code, "message": message}}
+    body = error_body(status, code, message, param, extra)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    """'field.path: reason' of the first problem; never echoes the input."""
+def validation_problem(exc: RequestValidationError) -> tuple[str | None, str]:
+    """The field of the first problem (or None) and 'field.path: reason'; never echoes the
+    input."""
     errors = exc.errors()
     if not errors:
-        return "invalid request"
+        return None, "invalid request"
     first = errors[0]
     # FastAPI prefixes the location with where it came from ("body", "query").
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
     reason = str(first.get("msg", "invalid value"))
-    return f"{'.'.join(loc)}: {reason}" if loc else reason
+    field = ".".join(loc) or None
+    return field, f"{field}: {reason}" if field else reason
 
 
 def _status_of(exc: VlmqError) -> int:
@@ -102,7 +162,9 @@ def _status_of(exc: VlmqError) -> int:
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message, exc.headers)
+    return error_response(
+        exc.status, exc.code, exc.message, exc.headers, param=exc.param, extra=exc.extra
+    )
 
 
 async def _on_vlmq_error(request: Request, exc: Exception) -> JSONResponse:
@@ -115,12 +177,14 @@ async def _on_vlmq_error(request: Request, exc: Exception) -> JSONResponse:
     headers = None
     if isinstance(exc, QuotaExceeded):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-    return error_response(status, code, message, headers)
+    param = exc.field if isinstance(exc, InvalidRequest) else None
+    return error_response(status, code, message, headers, param=param)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_response(422, "invalid_request", _validation_message(exc))
+    field, message = validation_problem(exc)
+    return error_response(422, "invalid_request", message, param=field)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -1,8 +1,9 @@
-"""The OpenAI File, Batch and chat completion objects, shaped so the official client parses
-them.
+"""The OpenAI File, Batch, chat completion and model objects, shaped so the official client
+parses them.
 
-Field names, types and literals follow ``openai.types.FileObject``, ``openai.types.Batch``
-and ``openai.types.chat.ChatCompletion``; they also document the routes in /openapi.json.
+Field names, types and literals follow ``openai.types.FileObject``, ``openai.types.Batch``,
+``openai.types.chat.ChatCompletion`` (and ``ChatCompletionChunk``) and ``openai.types.Model``;
+they also document the routes in /openapi.json.
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ __all__ = [
     "BatchObject",
     "BatchStatus",
     "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionCreate",
+    "ChatMessage",
     "FileList",
     "FileObject",
+    "Model",
+    "ModelList",
     "RequestCounts",
 ]
 
@@ -160,3 +166,87 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: CompletionUsage
+
+
+class ChatMessage(BaseModel):
+    """One turn; content parts are Hugging Face or OpenAI chat parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = Field(None, description="A last chunk with the usage")
+
+
+class ChatCompletionCreate(BaseModel):
+    """``POST /v1/chat/completions``: OpenAI's body. Its sampling fields, ``response_format``
+    (``json_schema`` and ``json_object`` included) and vLLM's extensions
+    (``repetition_penalty``, ``min_tokens``, ``structured_outputs``, ``guided_*``) map onto a
+    vlmq request as in a Batch API line; fields vlmq does not implement (``tools``,
+    ``logit_bias``, ``user``, ...) are ignored, as an OpenAI-compatible server does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(description="Recorded; the fleet's workers decide (GET /v1/models)")
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="{type: text | json_object | json_schema, json_schema}"
+    )
+    stream: bool | None = Field(None, description="Server-Sent Events (the whole text at once)")
+    stream_options: StreamOptions | None = None
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a ``stream: true`` answer (``data: <chunk>``, then ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class Model(BaseModel):
+    """A model the fleet serves: one or more live workers announce it in their heartbeat."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="The oldest current heartbeat of its workers (Unix s)")
+    owned_by: str = "vlmq"
+    # vlmq's own: the modality classes its workers take, and how many workers serve it.
+    modalities: list[str] = Field(default_factory=list)
+    workers: int = 0
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]

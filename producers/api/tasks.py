@@ -20,7 +20,7 @@ from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
 from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
-from vlmq.producers.api.openai_models import ChatCompletion
+from vlmq.producers.api.openai_models import ChatCompletion, ChatMessage
 from vlmq.producers.api.queues import check_capacity
 from vlmq.producers.export import to_chat_completion
 
@@ -31,15 +31,6 @@ router = APIRouter(prefix="/v1", tags=["tasks"])
 _TERMINAL = {s.value for s in TaskState if s.terminal}
 _READ_ERRORS = error_responses(401, 404, 429, 503)
 _WRITE_ERRORS = error_responses(401, 413, 422, 429, 503)
-
-
-class ChatMessage(BaseModel):
-    """One turn; content parts are Hugging Face or OpenAI chat parts."""
-
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
 
 
 class TaskBody(BaseModel):

@@ -113,7 +113,12 @@ def test_unknown_ids_are_404_not_found(http):
         reply = http.get(path)
         assert reply.status_code == 404
         assert reply.json() == {
-            "error": {"code": "not_found", "message": reply.json()["error"]["message"]}
+            "error": {
+                "code": "not_found",
+                "message": reply.json()["error"]["message"],
+                "type": "not_found_error",
+                "param": None,
+            }
         }
     assert http.post("/v1/tasks/nope/cancel").status_code == 404
     unrouted = http.get("/v2/elsewhere")

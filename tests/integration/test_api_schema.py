@@ -17,7 +17,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.integration.test_api_support import api_settings
+from tests.integration.test_api_support import api_settings, worker_loop
 from vlmq.config.settings import Settings
 from vlmq.producers.api.app import create_app
 
@@ -54,11 +54,18 @@ def api_schema(redis_server, moto_server, request):
         rate_limit_per_s=1e6,
         rate_limit_burst=10**6,
         max_batch_items=20,
+        sync_timeout_s=30,
     )
     # A keyless server answers loopback Host names only (schemathesis sends "testserver").
-    return schemathesis.openapi.from_asgi(
+    schema = schemathesis.openapi.from_asgi(
         "/openapi.json", create_app(settings), headers={"Host": LOOPBACK}
     )
+    if request.node.callspec.params["path"] != "/v1/chat/completions":
+        yield schema
+        return
+    # A chat completion answers when its task ends: a worker runs the valid ones.
+    with worker_loop(settings):
+        yield schema
 
 
 @pytest.mark.parametrize(("method", "path", "mode"), _operations())

@@ -42,11 +42,11 @@ from typing import Any
 import httpx
 
 from bench.common import replace_section
+from tests.support.services import free_port
 from vlmq.config.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.localredis import LocalRedis
-from tests.support.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "bench-key-0123456789abcdef"

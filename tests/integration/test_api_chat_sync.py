@@ -32,11 +32,11 @@ from tests.integration.test_api_support import (
     wait_for_state,
     worker_loop,
 )
+from tests.support.services import free_port, wait_until
 from vlmq.config.settings import EngineSettings, Settings, TenantQuota
 from vlmq.producers.api import chat_stream
 from vlmq.producers.api.app import create_app
 from vlmq.producers.client import Client
-from tests.support.services import free_port, wait_until
 
 KEY = "test-key-0123456789"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_chat.py"

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.proxy import Proxy
 from vlmq.config.settings import Settings
 from vlmq.producers.api.waiter import TaskWaiter
 from vlmq.producers.client import Client
-from tests.support.proxy import Proxy
 
 TEXT = [{"role": "user", "content": "hi"}]
 

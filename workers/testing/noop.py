@@ -16,12 +16,15 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmq.config.schemas import FinishReason, Request, Result, Usage
 from vlmq.config.settings import EXIT_INJECTED_CRASH
 from vlmq.workers.engine.interface import Collated, OneSlot, RunOnlyEngine
 from vlmq.workers.engine.prepare import Prepared
+
+if TYPE_CHECKING:
+    from vlmq.workers.engine.engine import EngineStats
 
 __all__ = ["NoopEngine", "PrepareCrash", "SimulatedAccelerator"]
 
@@ -90,6 +93,8 @@ class PrepareCrash(RunOnlyEngine):
 class SimulatedAccelerator(OneSlot):
     """A real Engine's prepare, plan and collate; generate sleeps ``prefill_s`` per
     micro-batch plus ``step_s`` per decode step (its longest ``max_new_tokens``)."""
+
+    stats: EngineStats  # the real engine's
 
     def __init__(self, engine: Any, prefill_s: float, step_s: float) -> None:
         self.engine = engine

@@ -329,8 +329,12 @@ class VllmEngine:
                 if prompt is None:
                     prompt = _prompt(item, self.processors.primary)
                 count = self._add(llm, key, item, prompt)
-            except Exception as exc:  # vLLM refused this request: it fails alone
-                self._refused.append(self._refusal(item, exc))
+            except Exception as exc:
+                if self._dead or _engine_dead(exc):
+                    # No fault of this request's (vLLM's engine process is gone): the worker
+                    # exits and the fleet redelivers it, as it does what was inside.
+                    raise EngineDied(f"the vLLM engine died: {exc}") from exc
+                self._refused.append(self._refusal(item, exc))  # refused: it fails alone
                 continue
             self._inflight[key] = _Inflight(
                 item, time.perf_counter(), batch_id, collated.rows, collated.collate_s, count

@@ -57,9 +57,8 @@ def _side(backend: str, model: str, requests_path: Path, new_tokens: int) -> dic
     for modality in MODALITIES:
         requests = [Request.model_validate(line) for line in lines[modality]]
         engine.run(requests[:2])  # warm
-        stats = getattr(engine, "stats", None)
-        if stats is not None:
-            stats.generate_s = 0.0
+        if engine.stats is not None:
+            engine.stats.generate_s = 0.0
         began = time.perf_counter()
         results = engine.run(requests)
         elapsed = time.perf_counter() - began
@@ -80,7 +79,7 @@ def _side(backend: str, model: str, requests_path: Path, new_tokens: int) -> dic
 def _busy(engine: Any, elapsed: float) -> float | None:
     """The HF engine's model-busy fraction (time inside generate / wall); None for vLLM,
     whose engine process keeps its own clock."""
-    stats = getattr(engine, "stats", None)
+    stats = engine.stats
     return stats.generate_s / elapsed if stats is not None and elapsed > 0 else None
 
 

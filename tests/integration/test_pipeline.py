@@ -188,7 +188,7 @@ def test_prefetch_stays_within_its_byte_budget(settings: Settings) -> None:
     peaks = {"held": 0, "bytes": 0}
     with Running(loop):
         assert gated.entered.wait(30)
-        for _ in range(20):  # the feeder has had time to fill all it may
+        for _ in range(20):  # the puller has had time to fill all it may
             held = len(loop.parts.held.tokens())
             assert loop.pipeline is not None
             peaks["held"] = max(peaks["held"], held)
@@ -196,7 +196,7 @@ def test_prefetch_stays_within_its_byte_budget(settings: Settings) -> None:
             loop.stop_event.wait(0.05)
         gated.gate.set()
         wait_until(lambda: client.status(job)["finished"], timeout=60, what="job")
-    # The feeder pulls while what it holds is under the budget: three of 100 MiB (the one
+    # The puller pulls while what it holds is under the budget: three of 100 MiB (the one
     # generating counts too), long before its eight batch slots are used.
     assert peaks["bytes"] <= 300 << 20
     assert 2 <= peaks["held"] <= 3
@@ -255,7 +255,7 @@ def test_large_images_prefetch_within_the_byte_budget(
         engine.gate.set()
         wait_until(partial(_finished, client, job), timeout=120, what="job")
     engine.close()
-    # Under the budget after two, the third is pulled; then the feeder waits: three held of
+    # Under the budget after two, the third is pulled; then the puller waits: three held of
     # eight allowed slots, the budget overrun by one batch at most.
     assert peak_held == 3
     assert peak_bytes == 3 * decoded

@@ -1,4 +1,4 @@
-"""``StepEngine``: a continuous engine double for the fleet's continuous feed (issue 14).
+"""``StepEngine``: a continuous engine double for the fleet's continuous driver (issue 14).
 
 Like vLLM behind ``VllmEngine``, it takes requests while others run: ``capacity`` is its free
 slots, ``submit`` puts a micro-batch's requests inside, and each ``poll`` is one decode step:
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlmq.config.schemas import FinishReason, Request, Result, Usage
-from vlmq.workers.engine.interface import Collated
+from vlmq.workers.engine.interface import CONTINUOUS, Collated
 from vlmq.workers.engine.prepare import Prepared
 
 __all__ = ["StepEngine"]
@@ -22,7 +22,8 @@ __all__ = ["StepEngine"]
 
 class StepEngine:
     model_name = "step-engine"
-    continuous = True
+    capabilities = CONTINUOUS
+    stats = None
 
     def __init__(self, slots: int = 8, step_s: float = 0.0) -> None:
         self.slots = slots

@@ -238,13 +238,13 @@ def test_the_device_reaches_the_processors(checkpoint: Any, media: Path) -> None
 
 def test_the_heartbeat_record_carries_the_engine_and_cache_counters_as_json() -> None:
     import json
-    import types
 
     from vlmq.workers.engine.engine import EngineStats
     from vlmq.workers.fleet.service import _engine_stats
     from vlmq.workers.media.cache import CacheStats
 
-    engine = types.SimpleNamespace(stats=EngineStats(cache=CacheStats(hits=2, misses=1)))
-    record = json.loads(json.dumps(_engine_stats(engine)))
+    stats = EngineStats(cache=CacheStats(hits=2, misses=1))
+    record = json.loads(json.dumps(_engine_stats(stats)))
     assert record["cache"]["hits"] == 2 and record["cache"]["misses"] == 1
     assert "batch_sizes" not in record
+    assert _engine_stats(None) == {}  # an engine that keeps no counters (vLLM)

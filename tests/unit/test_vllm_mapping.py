@@ -1,12 +1,17 @@
-"""The vLLM engine's mapping of a request onto ``SamplingParams`` fields (no vLLM needed)."""
+"""The vLLM engine without vLLM: a request's mapping onto ``SamplingParams`` fields, and what a
+refusal from vLLM means."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import pytest
+
 from vlmq.config.schemas import Request
-from vlmq.workers.engine.vllm_engine import sampling_fields
+from vlmq.workers.engine.interface import Collated, EngineDied
+from vlmq.workers.engine.prepare import Prepared
+from vlmq.workers.engine.vllm_engine import VllmEngine, sampling_fields
 
 
 def _fields(**generation: Any) -> dict[str, Any]:
@@ -62,3 +67,39 @@ def test_each_constraint_kind_becomes_structured_outputs():
 def test_fixed_length_holds_eos_back_to_the_limit():
     request = Request.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     assert sampling_fields(request, 12, fixed_length=True)["min_tokens"] == 12
+
+
+class EngineDeadError(RuntimeError):
+    """What vLLM's client raises once its engine process is gone (its name is what counts)."""
+
+
+def _submit_refused_by(exc: Exception) -> VllmEngine:
+    """A vLLM engine whose ``add_request`` raises ``exc``, handed one request (``_add`` is
+    where vLLM is called: nothing here needs the vllm package)."""
+    engine = VllmEngine("unused")
+    engine._llm = object()  # started, as far as submit can tell
+
+    def add(*args: Any) -> int:
+        raise exc
+
+    engine._add = add  # type: ignore[method-assign,assignment]
+    request = Request.model_validate({"id": "r1", "messages": [{"role": "user", "content": "?"}]})
+    try:
+        engine.submit(Collated([Prepared(request, 4)], [{"prompt": "?"}], 0.0))
+    finally:
+        engine.close()
+    return engine
+
+
+def test_a_request_vllm_refuses_fails_alone():
+    engine = _submit_refused_by(ValueError("temperature must be in [0, 2]"))
+    (result,) = engine.poll("w1")
+    assert result.status == "failed" and result.error is not None
+    assert result.error["code"] == "invalid_request"
+
+
+def test_a_dead_engine_is_no_request_refused():
+    """Once vLLM's engine process died, ``add_request`` raises for every request: the engine
+    is gone (the worker exits and its work is redelivered), no request failed."""
+    with pytest.raises(EngineDied):
+        _submit_refused_by(EngineDeadError("EngineCore encountered an issue"))

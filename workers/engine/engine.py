@@ -66,6 +66,8 @@ Run = list[tuple[Prepared, Completion | None, VlmqError | None]]
 class Engine(OneSlot):
     """Owns one loaded model; ``setup()`` loads it, ``run()`` serves batches."""
 
+    stats: EngineStats  # always kept (capabilities: static, OneSlot's)
+
     def __init__(
         self,
         model: str,

@@ -5,20 +5,27 @@ on its preprocessing threads, then its model thread asks the engine how much it 
 (``capacity``), hands it collated work (``submit``) and collects results as they finish
 (``poll``). The HF engine takes one static micro-batch at a time and returns all of it from
 the next ``poll``; an engine with continuous batching can take requests as slots free and
-return each as it finishes. The no-op engine implements it too. Importing this module does
-not import torch.
+return each as it finishes. Each engine says which it is in its ``capabilities``, so the
+worker never probes it. The no-op engine implements it too. Importing this module does not
+import torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from vlmq.config.schemas import Request, Result
 from vlmq.workers.engine.prepare import Prepared
 
+if TYPE_CHECKING:
+    from vlmq.workers.engine.engine import EngineStats
+
 __all__ = [
+    "CONTINUOUS",
+    "STATIC",
+    "Capabilities",
     "Collated",
     "EngineDied",
     "GenerationEngine",
@@ -33,6 +40,23 @@ class EngineDied(RuntimeError):
     """The engine is gone (vLLM's engine process died): nothing it held will finish. Raised
     out of the batch loop, so the worker exits and the fleet redelivers its leases; a request
     that kills the engine each time is isolated by the fleet's poison handling."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine declares about how it runs, read by the worker instead of probing.
+
+    ``continuous``: it takes requests while others decode (``submit`` while ``capacity`` is
+    above 0) and ``poll`` returns each request as it finishes, so the worker keeps it full
+    (vLLM); otherwise it runs one submitted micro-batch at a time and returns all of it from
+    the next ``poll`` (the HF engine).
+    """
+
+    continuous: bool = False
+
+
+STATIC = Capabilities()
+CONTINUOUS = Capabilities(continuous=True)
 
 
 @dataclass
@@ -54,6 +78,10 @@ class Collated:
 @runtime_checkable
 class GenerationEngine(Protocol):
     model_name: str
+    capabilities: Capabilities
+    # Cumulative counters the worker exports (micro-batches, OOM splits, the media cache);
+    # None for an engine that keeps none the worker reads (vLLM keeps its own).
+    stats: EngineStats | None
 
     def prepare(
         self, request: Request, tenant: str | None = None, prepared_media: bool = False
@@ -79,6 +107,10 @@ class GenerationEngine(Protocol):
     def poll(self, worker: str) -> list[Result]:
         """Results of submitted requests that finished (the model's thread)."""
 
+    @property
+    def pending(self) -> int:
+        """Requests submitted whose results ``poll`` has not returned yet."""
+
     def reject(self, prepared: Prepared, worker: str) -> Result:
         """The result of a request that failed before generation (its ``error``)."""
 
@@ -100,6 +132,8 @@ class OneSlot:
     """``capacity`` and ``submit`` of an engine that runs what was submitted when polled,
     one collated micro-batch at a time (the HF engine, the test and simulated engines)."""
 
+    capabilities = STATIC
+    stats: EngineStats | None = None
     _submitted: Collated | None = None
 
     def slot_rows(self) -> int:
@@ -115,6 +149,11 @@ class OneSlot:
             raise RuntimeError(f"{type(self).__name__} runs one micro-batch at a time")
         self._submitted = collated
 
+    @property
+    def pending(self) -> int:
+        """The submitted micro-batch's rows until ``poll`` ran it; then none."""
+        return 0 if self._submitted is None else self._submitted.rows
+
     def _take(self) -> Collated | None:
         collated, self._submitted = self._submitted, None
         return collated
@@ -122,14 +161,15 @@ class OneSlot:
 
 class RunOnlyEngine(OneSlot):
     """The generation interface over an engine that has only ``run``: every request is its
-    own trivially prepared item, a pulled batch is one micro-batch, and ``poll`` runs it."""
+    own trivially prepared item, a pulled batch is one micro-batch, and ``poll`` runs it; it
+    keeps no counters (``stats`` None)."""
 
     def __init__(self, engine: RunsBatches) -> None:
         self.engine = engine
         self.model_name = engine.model_name
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)  # stats, setup, close: the engine's own
+        return getattr(self.engine, name)  # setup, close, a double's records: the engine's own
 
     def prepare(
         self, request: Request, tenant: str | None = None, prepared_media: bool = False

@@ -15,11 +15,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmq.config.schemas import FinishReason, Request, Result, Usage
 from vlmq.workers.engine.interface import Collated, OneSlot
 from vlmq.workers.engine.prepare import Prepared
+
+if TYPE_CHECKING:
+    from vlmq.workers.engine.engine import EngineStats
 
 __all__ = ["NoopEngine", "SimulatedAccelerator", "parse_simulate", "simulated_seconds"]
 
@@ -107,6 +110,8 @@ class SimulatedAccelerator(OneSlot):
     """A real Engine's prepare, plan and collate; generate sleeps ``prefill_s`` per
     micro-batch plus ``token_s`` per prompt token (visual ones included) plus ``step_s``
     per decode step (its longest ``max_new_tokens``): ``simulated_seconds``."""
+
+    stats: EngineStats  # the real engine's
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmq.config.constraints import Constraint
 from vlmq.config.errors import ConfigError, InvalidRequest, VlmqError
@@ -38,11 +38,14 @@ from vlmq.workers.engine.completions import (
     logprob_entry,
     result_choices,
 )
-from vlmq.workers.engine.interface import Collated, EngineDied
+from vlmq.workers.engine.interface import CONTINUOUS, Collated, EngineDied
 from vlmq.workers.engine.model import LoadedModel, detect_family, eos_token_ids, load_processor
 from vlmq.workers.engine.prepare import Prepared, Preparer
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import MediaLoader
+
+if TYPE_CHECKING:
+    from vlmq.workers.engine.engine import EngineStats
 
 __all__ = ["CPU_BUILD_ENV", "VllmEngine", "sampling_fields"]
 
@@ -143,7 +146,8 @@ class VllmEngine:
     """Owns one vLLM ``LLMEngine``; ``setup()`` starts it (~25 s on CPU), ``run()`` serves
     whole batches, ``submit``/``poll`` feed it continuously."""
 
-    continuous = True
+    capabilities = CONTINUOUS
+    stats: EngineStats | None = None  # vLLM keeps its own counters
 
     def __init__(
         self,
@@ -327,8 +331,12 @@ class VllmEngine:
                 if prompt is None:
                     prompt = _prompt(item, self.processors.primary)
                 count = self._add(llm, key, item, prompt)
-            except Exception as exc:  # vLLM refused this request: it fails alone
-                self._refused.append(self._refusal(item, exc))
+            except Exception as exc:
+                if self._dead or _engine_dead(exc):
+                    # No fault of this request's (vLLM's engine process is gone): the worker
+                    # exits and the fleet redelivers it, as it does what was inside.
+                    raise EngineDied(f"the vLLM engine died: {exc}") from exc
+                self._refused.append(self._refusal(item, exc))  # refused: it fails alone
                 continue
             self._inflight[key] = _Inflight(
                 item, time.perf_counter(), batch_id, collated.rows, collated.collate_s, count

@@ -2,7 +2,11 @@
 
 * ``service.py``: ``WorkerService`` (lifecycle, heartbeat) and ``compose_loop``, which builds
   every collaborator below and hands them to the loop;
-* ``loop.py``: ``BatchLoop``, pull → triage → run → settle per modality class;
+* ``loop.py``: ``BatchLoop``, pull → triage → run → settle per modality class, made of parts:
+  ``stages.py`` (``Stages``: what each stage does to a pulled batch; ``batches.py``: what
+  travels between them), ``static.py`` and ``continuous.py`` (the drivers of the model's
+  thread, chosen by the engine's ``capabilities``), ``pipeline.py`` (stage threads running
+  ahead), ``watchdog.py`` (lease renewal, stuck detection), ``clock.py`` (stage timing);
 * ``intake.py``: the leased batch pull (``Intake``), the shared lease side (``Leases``) and
   what this worker holds (``Held``);
 * ``triage.py``: decode, drop, expire, dead-letter, start; ``work.py``: one pulled message and

@@ -9,34 +9,31 @@ stays held, its lease renewed by the heartbeat, until its result is settled: lea
 fencing cover requests inside the engine as they cover a static batch.
 
 A suspect (a request delivered before, which may be what killed a worker) still runs alone:
-the feed stops taking work, lets the engine empty, runs it by itself, then goes on.
+the driver stops taking work, lets the engine empty, runs it by itself, then goes on.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING
 
 from vlmq.config.schemas import Result
 from vlmq.workers.engine.interface import EngineDied
-from vlmq.workers.fleet.stages import Planned
-from vlmq.workers.fleet.work import Work, failed_result
+from vlmq.workers.fleet.batches import Begun, Planned
+from vlmq.workers.fleet.pipeline import Pipeline
+from vlmq.workers.fleet.stages import Stages
+from vlmq.workers.fleet.work import Work
 
-if TYPE_CHECKING:
-    from vlmq.workers.fleet.loop import BatchLoop, Begun
-    from vlmq.workers.fleet.pipeline import Pipeline
-
-__all__ = ["ContinuousFeed"]
+__all__ = ["ContinuousDriver"]
 
 log = logging.getLogger(__name__)
 
 
-class ContinuousFeed:
-    def __init__(self, loop: BatchLoop, pipeline: Pipeline) -> None:
-        self.loop = loop
+class ContinuousDriver:
+    def __init__(self, stages: Stages, pipeline: Pipeline) -> None:
+        self.stages = stages
         self.pipeline = pipeline
-        self.engine = loop.engine
+        self.engine = stages.engine
+        self.batches_done = 0
         self._open: dict[str, Begun] = {}  # task id -> the started micro-batch it is in
         self._left: dict[int, int] = {}  # id(begun) -> its requests not settled yet
         self._suspect: Planned | None = None  # waiting for the engine to empty
@@ -49,7 +46,7 @@ class ContinuousFeed:
         return len(self._open)
 
     def step(self) -> bool:
-        self.loop.parts.housekeeper.tick()
+        """One step: fill the engine, step it once; always busy (it waits in ``_take``)."""
         self._fill()
         if self._open:
             self._poll()
@@ -88,9 +85,9 @@ class ContinuousFeed:
         the pipeline gets its prefetch slot back now: what is inside the engine is bounded by
         the engine's capacity, not by the prefetch."""
         try:
-            begun = self.loop.begin(planned)
+            begun = self.stages.begin(planned)
         except BaseException:
-            self.loop._give_back([w.task_id for w in planned.works])
+            self.stages.give_back([w.task_id for w in planned.works])
             self.pipeline.done(planned)
             raise
         if begun is None:
@@ -115,11 +112,10 @@ class ContinuousFeed:
 
     # collecting results -------------------------------------------------------------
     def _poll(self) -> None:
-        loop = self.loop
-        loop.engine_started = time.monotonic()
+        stages = self.stages
         try:
-            with loop.parts.clock.timing("generate"):
-                results = self.engine.poll(loop.worker)
+            with stages.clock.timing("generate"):
+                results = self.engine.poll(stages.worker)
         except EngineDied:
             raise  # out of the loop: the worker exits, its leases are redelivered
         except Exception as exc:
@@ -127,21 +123,18 @@ class ContinuousFeed:
             for begun in {id(b): b for b in self._open.values()}.values():
                 self._fail(begun, [w for w in begun.works if w.task_id in self._open], exc)
             return
-        finally:
-            loop.engine_started = None
         finished: dict[int, tuple[Begun, list[Result]]] = {}
         for result in results:
             holder = self._open.get(result.id)
             if holder is not None:
                 finished.setdefault(id(holder), (holder, []))[1].append(result)
         for begun, batch_results in finished.values():
-            settled = loop.settle(begun, batch_results, every=False)
+            settled = stages.settle(begun, batch_results, every=False)
             self._close(begun, settled)
 
     def _fail(self, begun: Begun, works: list[Work], exc: Exception) -> None:
-        model = self.engine.model_name
-        results = [failed_result(w.requested, exc, model) for w in works]
-        self._close(begun, self.loop.settle(begun, results, every=False))
+        results = self.stages.failed(works, exc)
+        self._close(begun, self.stages.settle(begun, results, every=False))
 
     def _close(self, begun: Begun, settled: list[Work]) -> None:
         for work in settled:
@@ -153,4 +146,4 @@ class ContinuousFeed:
         self._left.pop(id(begun), None)
         if begun.planned.suspect:
             self._alone = False
-        self.loop.batches_done += 1
+        self.batches_done += 1

@@ -9,12 +9,15 @@ redeliveries and dead letters. Fed by the batch loop's observer hooks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from vlmq.config.usage import TaskUsage
 from vlmq.workers.fleet.observer import LoopObserver
+
+if TYPE_CHECKING:
+    from vlmq.workers.engine.engine import EngineStats
 
 __all__ = ["WorkerMetrics"]
 
@@ -197,17 +200,16 @@ class WorkerMetrics(LoopObserver):
             self.model_busy.set(min(1.0, generated / window))
         self._busy_seen, self._wall_seen = dict(busy_s), wall_s
 
-    def _engine(self, stats: Any) -> None:
+    def _engine(self, stats: EngineStats) -> None:
         """Engine counters are cumulative; export the increase."""
-        total = int(getattr(stats, "oom_splits", 0))
+        total = stats.oom_splits
         if total > self._oom_seen:
             self.oom_splits.inc(total - self._oom_seen)
             self._oom_seen = total
-        cache = getattr(stats, "cache", None)
-        if cache is not None:
-            hits, misses, evictions = self._cache_seen
-            self.cache_lookups.labels("hit").inc(max(0, cache.hits - hits))
-            self.cache_lookups.labels("miss").inc(max(0, cache.misses - misses))
-            self.cache_evictions.inc(max(0, cache.evictions - evictions))
-            self.cache_bytes.set(cache.bytes)
-            self._cache_seen = (cache.hits, cache.misses, cache.evictions)
+        cache = stats.cache
+        hits, misses, evictions = self._cache_seen
+        self.cache_lookups.labels("hit").inc(max(0, cache.hits - hits))
+        self.cache_lookups.labels("miss").inc(max(0, cache.misses - misses))
+        self.cache_evictions.inc(max(0, cache.evictions - evictions))
+        self.cache_bytes.set(cache.bytes)
+        self._cache_seen = (cache.hits, cache.misses, cache.evictions)

@@ -1,6 +1,6 @@
 """The pipelined worker: pulling, preparing and collating run ahead of the model's thread.
 
-Two stage threads feed the model thread through bounded hand-offs: the *feeder* pulls a batch,
+Two stage threads feed the model thread through bounded hand-offs: the *puller* pulls a batch,
 admits it and hands its requests to the prepare pool; the *planner* waits for them, cuts
 micro-batches and hands those to the collate pool; the model thread (the loop's own) takes
 micro-batches in order and generates. Prefetch is bounded by batches (``prefetch_batches``
@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.settings import WorkerSettings
-from vlmq.workers.fleet.stages import Backoff, Job, Planned
+from vlmq.workers.fleet.batches import Planned, PulledBatch
+from vlmq.workers.fleet.clock import Backoff
 
 __all__ = ["Pipeline"]
 
@@ -32,9 +33,9 @@ class Pipeline:
     def __init__(
         self,
         settings: WorkerSettings,
-        admit: Callable[[], Job | None],
-        plan: Callable[[Job], list[Planned]],
-        give_back: Callable[[Job], None],
+        admit: Callable[[], PulledBatch | None],
+        plan: Callable[[PulledBatch], list[Planned]],
+        give_back: Callable[[PulledBatch], None],
         stop_event: threading.Event,
         idle_s: tuple[float, float],
     ) -> None:
@@ -44,7 +45,7 @@ class Pipeline:
         self._give_back = give_back
         self._stop = stop_event
         self._idle_s = idle_s
-        self._planning: queue.Queue[Job] = queue.Queue()
+        self._planning: queue.Queue[PulledBatch] = queue.Queue()
         self._ready: queue.Queue[Planned] = queue.Queue()
         self._slots = threading.Semaphore(settings.prefetch_batches)
         self._bytes = 0
@@ -54,7 +55,7 @@ class Pipeline:
 
     # the model thread's side ---------------------------------------------------
     def start(self) -> Pipeline:
-        for target, name in ((self._feed, "pipeline-feed"), (self._planner, "pipeline-plan")):
+        for target, name in ((self._puller, "pipeline-pull"), (self._planner, "pipeline-plan")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -69,10 +70,10 @@ class Pipeline:
 
     def done(self, planned: Planned) -> None:
         """One micro-batch went through generate (or was given up)."""
-        job = planned.job
-        job.left -= 1
-        if job.left <= 0:
-            self._finished(job)
+        pulled = planned.pulled
+        pulled.left -= 1
+        if pulled.left <= 0:
+            self._finished(pulled)
 
     def depths(self) -> dict[str, int]:
         with self._room:
@@ -88,13 +89,13 @@ class Pipeline:
             thread.join(timeout_s)
 
     # stage threads ---------------------------------------------------------------
-    def _feed(self) -> None:
+    def _puller(self) -> None:
         backoff = Backoff(self._idle_s)
         while not self._stop.is_set():
             if not self._wait_for_room():
                 continue
             try:
-                job = self._admit()
+                pulled = self._admit()
             except TRANSIENT_REDIS_ERRORS as exc:
                 self._slots.release()
                 wait = backoff.outage()
@@ -107,14 +108,14 @@ class Pipeline:
                 self._stop.wait(backoff.outage(grow=False))
                 continue
             backoff.answered()
-            if job is None:
+            if pulled is None:
                 self._slots.release()
                 self._stop.wait(backoff.idle())
                 continue
             backoff.worked()
             with self._room:
                 self._unplanned += 1
-            self._planning.put(job)
+            self._planning.put(pulled)
 
     def _wait_for_room(self) -> bool:
         """A prefetch slot, and the bytes of everything pulled known and under the budget
@@ -134,34 +135,34 @@ class Pipeline:
     def _planner(self) -> None:
         while not self._stop.is_set():
             try:
-                job = self._planning.get(timeout=0.1)
+                pulled = self._planning.get(timeout=0.1)
             except queue.Empty:
                 continue
             try:
-                planned = self._plan(job)
+                planned = self._plan(pulled)
             except Exception:
                 log.exception("pipeline: planning a batch failed; giving it back")
-                self._give_back(job)
-                job.media_bytes = 0  # never counted in
-                self._planned(job)
-                self._finished(job)
+                self._give_back(pulled)
+                pulled.media_bytes = 0  # never counted in
+                self._planned(pulled)
+                self._finished(pulled)
                 continue
-            self._planned(job)
-            job.left = len(planned)
+            self._planned(pulled)
+            pulled.left = len(planned)
             if not planned:
-                self._finished(job)
+                self._finished(pulled)
             for item in planned:
                 self._ready.put(item)
 
-    def _planned(self, job: Job) -> None:
+    def _planned(self, pulled: PulledBatch) -> None:
         with self._room:
-            self._bytes += job.media_bytes
+            self._bytes += pulled.media_bytes
             self._unplanned -= 1
             self._room.notify_all()
 
-    def _finished(self, job: Job) -> None:
+    def _finished(self, pulled: PulledBatch) -> None:
         with self._room:
-            self._bytes -= job.media_bytes
-            job.media_bytes = 0
+            self._bytes -= pulled.media_bytes
+            pulled.media_bytes = 0
             self._room.notify_all()
         self._slots.release()

@@ -33,10 +33,10 @@ from vlmq.config.state import State
 from vlmq.config.state.intake import Delivery, Intake
 from vlmq.config.vision import VisionProfile
 from vlmq.config.wire import priority_lists
+from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
-from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import parse_delivery
 from vlmq.workers.media import Downscale, MediaLoader
 

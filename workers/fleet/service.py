@@ -18,7 +18,8 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import is_dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
@@ -32,6 +33,7 @@ from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import FleetSettings, Settings
 from vlmq.config.state import State
 from vlmq.workers.engine.interface import as_generation_engine
+from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.events import TaskEvents
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
@@ -40,10 +42,12 @@ from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.fleet.observer import LoopObserver, Observers
 from vlmq.workers.fleet.prepare_tier import PrepareLoop, PrepareParts, model_targets
 from vlmq.workers.fleet.settle import Settler, settle_wait
-from vlmq.workers.fleet.stages import StageClock
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.webhooks import WebhookSender
 from vlmq.workers.media.fleet import fleet_loader
+
+if TYPE_CHECKING:
+    from vlmq.workers.engine.engine import EngineStats
 
 __all__ = ["WorkerService", "compose_loop", "compose_prepare_loop", "fleet_state"]
 
@@ -321,7 +325,9 @@ class WorkerService:
             # A prepare worker serves no model: it prepares media for this one's workers.
             "model": self.engine.model_name if self.engine is not None else None,
             "prepares_for": self.settings.model if self.engine is None else None,
-            "engine": _engine_stats(self.engine) if self.engine is not None else {},
+            "engine": _engine_stats(self.loop.engine.stats)
+            if isinstance(self.loop, BatchLoop)
+            else {},
         }
         # A worker silent for this many leases died without a clean stop (its work was
         # redelivered after one): its record goes.
@@ -352,13 +358,12 @@ class WorkerService:
         self._stopped.wait()
 
 
-def _engine_stats(engine: Any) -> dict[str, Any]:
-    """Counters of a real engine (micro-batches, OOM splits, bisections)."""
-    stats = getattr(engine, "stats", None)
+def _engine_stats(stats: EngineStats | None) -> dict[str, Any]:
+    """An engine's counters (micro-batches, OOM splits, bisections), as JSON."""
     if stats is None:
         return {}
     return {
-        k: vars(v) if hasattr(v, "__dataclass_fields__") else v  # the media cache's counters
+        k: vars(v) if is_dataclass(v) else v  # the media cache's counters
         for k, v in vars(stats).items()
         if k != "batch_sizes"
     }

@@ -1,4 +1,4 @@
-"""The continuous feed (issue 14) on real Redis and S3 with ``StepEngine``, a continuous engine
+"""The continuous driver (issue 14) on real Redis and S3 with ``StepEngine``, a continuous engine
 double: new micro-batches go in while a long request decodes, every request is settled once,
 and a redelivered request still runs alone."""
 

@@ -194,13 +194,7 @@ def create_redis(settings: Settings, *, timeout_s: float | None = None) -> redis
     address = parse_sentinel_url(settings.redis_url)
     if address is None:
         return redis.Redis.from_url(settings.redis_url, **options)
-    sentinel_timeout = min(timeout, settings.redis_sentinel_timeout_s)
-    sentinel_kwargs: dict[str, Any] = {
-        "socket_timeout": sentinel_timeout,
-        "socket_connect_timeout": sentinel_timeout,
-    }
-    if settings.redis_sentinel_password:
-        sentinel_kwargs["password"] = settings.redis_sentinel_password
+    sentinel_kwargs = _sentinel_options(settings, timeout)
     sentinel = Sentinel(list(address.sentinels), sentinel_kwargs=sentinel_kwargs)
     master: redis.Redis = sentinel.master_for(
         address.service,
@@ -211,6 +205,18 @@ def create_redis(settings: Settings, *, timeout_s: float | None = None) -> redis
         **options,
     )
     return master
+
+
+def _sentinel_options(settings: Settings, timeout: float) -> dict[str, Any]:
+    """The sentinels' own connection options (their timeout and password, not the master's)."""
+    sentinel_timeout = min(timeout, settings.redis_sentinel_timeout_s)
+    options: dict[str, Any] = {
+        "socket_timeout": sentinel_timeout,
+        "socket_connect_timeout": sentinel_timeout,
+    }
+    if settings.redis_sentinel_password:
+        options["password"] = settings.redis_sentinel_password
+    return options
 
 
 def create_async_redis(settings: Settings) -> aioredis.Redis:
@@ -230,13 +236,7 @@ def create_async_redis(settings: Settings) -> aioredis.Redis:
     address = parse_sentinel_url(settings.redis_url)
     if address is None:
         return aioredis.Redis.from_url(settings.redis_url, **options)
-    sentinel_timeout = min(timeout, settings.redis_sentinel_timeout_s)
-    sentinel_kwargs: dict[str, Any] = {
-        "socket_timeout": sentinel_timeout,
-        "socket_connect_timeout": sentinel_timeout,
-    }
-    if settings.redis_sentinel_password:
-        sentinel_kwargs["password"] = settings.redis_sentinel_password
+    sentinel_kwargs = _sentinel_options(settings, timeout)
     sentinel = AsyncSentinel(list(address.sentinels), sentinel_kwargs=sentinel_kwargs)
     master: aioredis.Redis = sentinel.master_for(
         address.service,

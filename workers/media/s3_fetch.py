@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vlmq.config.errors import (
@@ -69,6 +70,23 @@ def _under_prefix(bucket: str, key: str, entry: str) -> bool:
     return all(segment not in ("", ".", "..") for segment in rest.split("/"))
 
 
+@contextmanager
+def _store_errors() -> Iterator[None]:
+    """The object store's errors as media errors (a VlmqError passes as it is). botocore is
+    imported with a client only: a worker that reads no s3:// media (the GPU check on a
+    machine without boto3) needs none."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except VlmqError:
+        raise
+    except ClientError as exc:
+        raise _client_error(exc) from None
+    except BotoCoreError:
+        raise MediaFetchTransient("object store is unreachable") from None
+
+
 class S3Fetcher:
     """Fetches one object: bucket allowlist, HEAD size check, capped GET."""
 
@@ -87,28 +105,21 @@ class S3Fetcher:
         if not is_allowed(bucket, key, self._settings):
             raise MediaForbidden("media bucket is not allowed")
         client = self._get_client()
-        # Imported with a client only: a worker that reads no s3:// media (the GPU check on a
-        # machine without boto3) needs no botocore.
-        from botocore.exceptions import BotoCoreError, ClientError
-
         cancelled = threading.Event()
         try:
-            head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
-            _check_head_size(head, cap)
-            etag = head.get("ETag")
-            version = f"etag:{etag}" if etag else None
-            if known is not None and version == known:
-                return None, known
-            data = call_with_deadline(
-                lambda: _download(client, bucket, key, etag, cap, cancelled), deadline
-            )
-            return data, version
-        except VlmqError:
-            raise
-        except ClientError as exc:
-            raise _client_error(exc) from None
-        except BotoCoreError:
-            raise MediaFetchTransient("object store is unreachable") from None
+            with _store_errors():
+                head = call_with_deadline(
+                    lambda: client.head_object(Bucket=bucket, Key=key), deadline
+                )
+                _check_head_size(head, cap)
+                etag = head.get("ETag")
+                version = f"etag:{etag}" if etag else None
+                if known is not None and version == known:
+                    return None, known
+                data = call_with_deadline(
+                    lambda: _download(client, bucket, key, etag, cap, cancelled), deadline
+                )
+                return data, version
         finally:
             cancelled.set()  # a download thread past the deadline stops at its next chunk
 
@@ -119,16 +130,8 @@ class S3Fetcher:
         if not is_allowed(bucket, key, self._settings):
             raise MediaForbidden("media bucket is not allowed")
         client = self._get_client()
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
+        with _store_errors():
             head = call_with_deadline(lambda: client.head_object(Bucket=bucket, Key=key), deadline)
-        except VlmqError:
-            raise
-        except ClientError as exc:
-            raise _client_error(exc) from None
-        except BotoCoreError:
-            raise MediaFetchTransient("object store is unreachable") from None
         _check_head_size(head, cap)
         etag = head.get("ETag")
         if not isinstance(etag, str) or not etag:

@@ -18,7 +18,7 @@ from vlmq.producers.client import Client
 
 pytestmark = pytest.mark.faults
 
-PHOTOS, CLIPS = 16, 4
+PHOTOS, CLIPS = 10, 2
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 
 from vlmq.config.vision import VisionProfile
 
-__all__ = ["ModelProfile", "TextCounter", "find_model_dir"]
+__all__ = ["ModelProfile", "TextCounter", "find_model_dir", "vision_profile_of"]
 
 DEFAULT_FAMILY_CONFIG = {"model_type": "qwen2_5_vl"}
 # Characters per token of the fallback text estimate (English prose with a BPE tokenizer).
@@ -205,6 +205,16 @@ class TextCounter:
         except Exception as exc:  # a template this sandbox cannot compile, a bad tokenizer
             return cls(reason=f"could not load the tokenizer or template: {type(exc).__name__}")
         return cls(tokenizer, compiled, _special_tokens(directory))
+
+
+def vision_profile_of(directory: Path) -> VisionProfile | None:
+    """The visual-token profile in a model's files (config.json and the processor configs),
+    or None without a config.json: what a prepare worker resizes media for, torch-free."""
+    config = _read_json(directory / "config.json")
+    if config is None:
+        return None
+    processor, image, video = _processor_specs(directory)
+    return VisionProfile.from_configs(config, image, video, processor)
 
 
 @dataclass

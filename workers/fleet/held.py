@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from vlmq.config.state.intake import Delivery
+from vlmq.config.state.intake import Delivery, Leases
 
 __all__ = ["Held"]
 
@@ -37,6 +37,15 @@ class Held:
             if task_ids is None:
                 return dict(self._tokens)
             return {i: self._tokens[i] for i in task_ids if i in self._tokens}
+
+    def renew(self, leases: Leases, lease_s: float) -> int:
+        """Renew every lease held; forget those this worker lost (reaped, or delivered again
+        elsewhere after it was cut off past its lease: whatever it still does with them is
+        refused when it settles). Returns how many it lost."""
+        lost = leases.renew(self.tokens(), lease_s)
+        lost_held = list(self.tokens(lost))  # not those settled meanwhile
+        self.release(lost_held)
+        return len(lost_held)
 
     def __len__(self) -> int:
         with self._lock:

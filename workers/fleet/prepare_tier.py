@@ -37,7 +37,7 @@ from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
-from vlmq.workers.fleet.triage import parse_delivery
+from vlmq.workers.fleet.triage import expired, parse_delivery
 from vlmq.workers.media import Downscale, MediaLoader
 
 __all__ = ["PrepareLoop", "PrepareParts", "Targets", "model_targets"]
@@ -69,18 +69,17 @@ def model_targets(model: str, downscale_at_decode: bool = True) -> Targets:
     targets would key the frame store apart from the GPU workers' (they would decode again)."""
     if not downscale_at_decode:
         return Targets(None, None)
-    from vlmq.producers.preflight.model import _processor_specs, _read_json, find_model_dir
+    from vlmq.producers.preflight.model import find_model_dir, vision_profile_of
 
     directory = find_model_dir(model)
-    config = _read_json(directory / "config.json") if directory is not None else None
-    if directory is None or config is None:
+    profile = vision_profile_of(directory) if directory is not None else None
+    if profile is None:
         raise ConfigError(
             f"the prepare tier needs the config files of model {model!r} (a local directory, "
             "or the hub id downloaded into the Hugging Face cache: config.json and the "
             "processor configs are enough, no weights)"
         )
-    processor, image, video = _processor_specs(directory)
-    return Targets.of_profile(VisionProfile.from_configs(config, image, video, processor))
+    return Targets.of_profile(profile)
 
 
 @dataclass
@@ -134,11 +133,9 @@ class PrepareLoop:
         if self.stuck() is not None:
             return False
         parts = self.parts
-        lost = parts.state.leases.renew(parts.held.tokens(), self.fleet.lease_s)
-        lost = list(parts.held.tokens(lost))
+        lost = parts.held.renew(parts.state.leases, self.fleet.lease_s)
         if lost:
-            log.warning("lost the leases of %d tasks being prepared", len(lost))
-            parts.held.release(lost)
+            log.warning("lost the leases of %d tasks being prepared", lost)
         try:
             backlog = prepare_backlog(parts.state.redis, parts.state.keys, self.modalities)
         except Exception:  # a metric: never a reason to stop renewing
@@ -174,20 +171,19 @@ class PrepareLoop:
         return False
 
     def _prepare_all(self, modality: str, deliveries: Sequence[Delivery], now: float) -> None:
-        futures = [
-            self.parts.pool.submit(self._prepare, modality, d)
-            for d in deliveries
-            if not _expired(d, now)  # the GPU worker settles it as expired, unprepared
-        ]
+        futures = [self.parts.pool.submit(self._prepare, modality, d, now) for d in deliveries]
         for future in futures:
             future.result()
 
-    def _prepare(self, modality: str, delivery: Delivery) -> None:
+    def _prepare(self, modality: str, delivery: Delivery, now: float) -> None:
         """Load one task's media through the frame store; never raises (what cannot be
-        prepared is handed on as it is: the GPU worker fails it with the same error)."""
+        prepared is handed on as it is: the GPU worker fails it with the same error, and
+        settles an expired one expired)."""
         try:
-            _, request = parse_delivery(delivery, self.fleet.max_message_bytes)
+            message, request = parse_delivery(delivery, self.fleet.max_message_bytes)
         except InvalidRequest:
+            return
+        if expired(message, delivery.status, now):
             return
         tenant = delivery.status.get("tenant")
         before = self.parts.loader.thread_counts()
@@ -254,11 +250,3 @@ class PrepareLoop:
             self.parts.held.release(held)
         self.parts.pool.shutdown(wait=False, cancel_futures=True)
         self.parts.housekeeper.close()
-
-
-def _expired(delivery: Delivery, now: float) -> bool:
-    expires = delivery.status.get("expires_at")
-    try:
-        return bool(expires) and float(expires or 0) <= now
-    except ValueError:
-        return False

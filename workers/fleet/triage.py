@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -40,7 +41,7 @@ from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import REPAIRED_RESULTS, Settlement, Settler, Stored
 from vlmq.workers.fleet.work import Work, failure_settlement
 
-__all__ = ["Triage", "parse_delivery", "parse_request", "read_envelope"]
+__all__ = ["Triage", "expired", "parse_delivery", "parse_request", "read_envelope"]
 
 # The id the pull gives a message that names no task of its own (lua/intake.lua, identity).
 INVALID_PREFIX = "invalid-"
@@ -153,14 +154,7 @@ class Triage:
 
     @staticmethod
     def _expired(item: Work, now: float) -> bool:
-        expires = item.message.expires if item.message else None
-        if expires is not None and expires.timestamp() <= now:
-            return True
-        try:
-            deadline = float(item.status.get("expires_at") or "inf")
-        except ValueError:
-            return False
-        return deadline <= now
+        return expired(item.message, item.status, now)
 
     def _dead_letter(self, item: Work, reason: str) -> None:
         self.observer.dead_lettered(item.task_id)
@@ -282,3 +276,17 @@ def parse_delivery(delivery: Delivery, max_message_bytes: int) -> tuple[TaskMess
     """``read_envelope`` then ``parse_request``: a delivery's request, or InvalidRequest (the
     prepare tier reads requests the same way the GPU worker's triage does)."""
     return parse_request(delivery, read_envelope(delivery, max_message_bytes))
+
+
+def expired(message: TaskMessage | None, status: Mapping[str, str], now: float) -> bool:
+    """Past its message's Celery ``expires`` or its status's ``expires_at`` (``now``: Redis's
+    time): such a task must not run (the GPU worker settles it expired; the prepare tier does
+    not prepare it)."""
+    expires = message.expires if message else None
+    if expires is not None and expires.timestamp() <= now:
+        return True
+    try:
+        deadline = float(status.get("expires_at") or "inf")
+    except ValueError:
+        return False
+    return deadline <= now

@@ -46,13 +46,9 @@ class Watchdog:
         if self.stuck() is not None:
             return False
         parts = self.parts
-        lost = parts.state.leases.renew(parts.held.tokens(), self.fleet.lease_s)
-        lost = list(parts.held.tokens(lost))  # not those settled meanwhile
+        lost = parts.held.renew(parts.state.leases, self.fleet.lease_s)
         if lost:
-            # Reaped or delivered again elsewhere (this worker was cut off past its lease):
-            # whatever it still does with them is refused when it settles.
-            log.warning("lost the leases of %d tasks", len(lost))
-            parts.held.release(lost)
+            log.warning("lost the leases of %d tasks", lost)
         try:
             depths = lane_depths(parts.state.redis, parts.state.keys, self.modalities)
             backlog = prepare_backlog(parts.state.redis, parts.state.keys, self.modalities)

@@ -32,7 +32,7 @@ from tests.integration.test_api_support import (
     wait_for_state,
     worker_loop,
 )
-from tests.support.services import free_port, wait_until
+from tests.support.services import vlmq_serve, wait_until
 from vlmq.config.settings import EngineSettings, Settings, TenantQuota
 from vlmq.producers.api import chat_stream
 from vlmq.producers.api.app import create_app
@@ -381,7 +381,6 @@ class ProcessFigures:
 def api_process(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, ProcessFigures]]:
     """A real ``vlmq serve`` process on these settings (results on local disk: what is
     measured is the API's waiting, not moto's speed)."""
-    port = free_port()
     env = {
         **os.environ,
         "VLMQ_REDIS_URL": settings.redis_url,
@@ -390,24 +389,8 @@ def api_process(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, Proce
         "VLMQ_API__RATE_LIMIT_PER_S": "1000000",
         "VLMQ_API__RATE_LIMIT_BURST": "1000000",
     }
-    log = (tmp_path / "serve.log").open("wb")
-    command = [sys.executable, "-m", "vlmq", "serve", "--port", str(port)]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(url), timeout=60, what="vlmq serve")
+    with vlmq_serve(tmp_path, env) as (url, process):
         yield url, ProcessFigures(process.pid)
-    finally:
-        process.terminate()
-        process.wait(10)
-        log.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.mark.parametrize("settings", ["file"], indirect=True)

@@ -12,8 +12,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
-import sys
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_api_support import api_settings, wait_for_state, worker_loop
-from tests.support.services import free_port, wait_until
+from tests.support.services import vlmq_serve
 from vlmq.config import results
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.settings import Settings
@@ -107,7 +105,6 @@ class PeakRss:
 
 @pytest.fixture
 def api_process(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, PeakRss]]:
-    port = free_port()
     env = {
         **os.environ,
         "VLMQ_REDIS_URL": settings.redis_url,
@@ -115,29 +112,8 @@ def api_process(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, PeakR
         "VLMQ_S3_ENDPOINT_URL": settings.s3_endpoint_url or "",
     }
     env.pop("VLMQ_API__API_KEYS", None)
-    log = (tmp_path / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vlmq", "serve", "--port", str(port)],
-        cwd=tmp_path,  # no .env of the checkout
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(url), timeout=30, what="vlmq serve")
+    with vlmq_serve(tmp_path, env, timeout_s=30) as (url, process):
         yield url, PeakRss(process.pid)
-    finally:
-        process.terminate()
-        process.wait(10)
-        log.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _request_line(n: int) -> bytes:

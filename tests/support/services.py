@@ -12,7 +12,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -104,3 +105,33 @@ class MotoServer:
         if self.process and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
+
+
+@contextmanager
+def vlmq_serve(
+    workdir: Path, env: Mapping[str, str], timeout_s: float = 60
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``vlmq serve`` process on a free port, run in ``workdir`` (no .env of the
+    checkout; its output in ``serve.log`` there): its URL and process, once it answers
+    ``/healthz``; terminated on exit."""
+    import httpx
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (workdir / "serve.log").open("wb") as log:
+        command = [sys.executable, "-m", "vlmq", "serve", "--port", str(port)]
+        process = subprocess.Popen(
+            command, cwd=workdir, env=dict(env), stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_until(answers, timeout=timeout_s, what="vlmq serve")
+            yield url, process
+        finally:
+            process.terminate()
+            process.wait(10)

@@ -14,7 +14,7 @@ from vlmq.config.keys import LANES, Keys
 from vlmq.config.state.intake import PREPARED_CLASSES
 from vlmq.config.wire import priority_lists
 
-__all__ = ["lane_depths", "prepare_backlog", "queue_depth", "queue_lists"]
+__all__ = ["lane_depths", "prepare_backlog", "queue_depth", "queue_lists", "waiting"]
 
 
 def _lane_lists(keys: Keys, modality: str, lane: str, prepared: bool) -> list[str]:
@@ -46,22 +46,12 @@ def lane_depths(
     redis: Redis, keys: Keys, modalities: Iterable[str], prepared: bool = True
 ) -> dict[str, dict[str, int]]:
     """Messages waiting per class and lane: each lane's fixed lists, and on the bulk lane
-    the job lists' counter too; one pipelined round trip whatever the number of active
-    jobs."""
-    names = {m: {lane: _lane_lists(keys, m, lane, prepared) for lane in LANES} for m in modalities}
-    pipe = redis.pipeline(transaction=False)
-    for modality, lanes in names.items():
-        for lists in lanes.values():
-            for name in lists:
-                pipe.llen(name)
-        pipe.hget(keys.job_depth(), keys.active_tenants(modality))
-    replies = iter(pipe.execute())
-    depths = {}
-    for modality, lanes in names.items():
-        depth = {lane: sum(int(next(replies)) for _ in lists) for lane, lists in lanes.items()}
-        depth["bulk"] += max(0, int(next(replies) or 0))  # each bulk job's own list
-        depths[modality] = depth
-    return depths
+    the job lists' counter too (without ``prepared``: the prepared lists left out)."""
+    counts = _counts(redis, keys, modalities)
+    return {
+        m: {lane: raw + (ready if prepared else 0) for lane, (raw, ready) in lanes.items()}
+        for m, lanes in counts.items()
+    }
 
 
 def prepare_backlog(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict[str, int]:
@@ -69,3 +59,59 @@ def prepare_backlog(redis: Redis, keys: Keys, modalities: Iterable[str]) -> dict
     (``vlmq_prepare_backlog``: what the prepare tier scales on)."""
     classes = [m for m in modalities if m in PREPARED_CLASSES]
     return queue_depth(redis, keys, classes, prepared=False) if classes else {}
+
+
+def waiting(
+    redis: Redis, keys: Keys, modalities: Iterable[str]
+) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """``lane_depths`` and ``prepare_backlog`` from one read (a worker's heartbeat)."""
+    counts = _counts(redis, keys, modalities)
+    depths = {
+        m: {lane: raw + ready for lane, (raw, ready) in lanes.items()}
+        for m, lanes in counts.items()
+    }
+    backlog = {
+        m: sum(raw for raw, _ in lanes.values())
+        for m, lanes in counts.items()
+        if m in PREPARED_CLASSES
+    }
+    return depths, backlog
+
+
+def _counts(
+    redis: Redis, keys: Keys, modalities: Iterable[str]
+) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per class and lane: (messages not prepared, prepared ones), the job lists' counter
+    on the bulk lane's first; one pipelined round trip whatever the number of active
+    jobs."""
+    names = {
+        m: {
+            lane: (
+                _lane_lists(keys, m, lane, prepared=False),
+                [keys.prepared_queue(m, lane)] if m in PREPARED_CLASSES else [],
+            )
+            for lane in LANES
+        }
+        for m in modalities
+    }
+    pipe = redis.pipeline(transaction=False)
+    for modality, lanes in names.items():
+        for raw, ready in lanes.values():
+            for name in [*raw, *ready]:
+                pipe.llen(name)
+        pipe.hget(keys.job_depth(), keys.active_tenants(modality))
+    replies = iter(pipe.execute())
+    counts: dict[str, dict[str, tuple[int, int]]] = {}
+    for modality, lanes in names.items():
+        lane_counts = {
+            lane: (
+                sum(int(next(replies)) for _ in raw),
+                sum(int(next(replies)) for _ in ready),
+            )
+            for lane, (raw, ready) in lanes.items()
+        }
+        raw_bulk, ready_bulk = lane_counts["bulk"]
+        jobs = max(0, int(next(replies) or 0))  # each bulk job's own list
+        lane_counts["bulk"] = (raw_bulk + jobs, ready_bulk)
+        counts[modality] = lane_counts
+    return counts

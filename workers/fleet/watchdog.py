@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from vlmq.config.queues import lane_depths, prepare_backlog
+from vlmq.config.queues import waiting
 from vlmq.config.settings import FleetSettings, WorkerSettings
 from vlmq.workers.fleet.stages import LoopParts
 
@@ -50,8 +50,7 @@ class Watchdog:
         if lost:
             log.warning("lost the leases of %d tasks", lost)
         try:
-            depths = lane_depths(parts.state.redis, parts.state.keys, self.modalities)
-            backlog = prepare_backlog(parts.state.redis, parts.state.keys, self.modalities)
+            depths, backlog = waiting(parts.state.redis, parts.state.keys, self.modalities)
         except Exception:  # a metric: never a reason to stop renewing
             log.warning("queue depth could not be read", exc_info=True)
         else:

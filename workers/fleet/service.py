@@ -195,9 +195,7 @@ class WorkerService:
         self.loop = compose_loop(
             settings, self.modalities, self.engine, self.name, self.redis, store, observers
         )
-        fleet = settings.fleet
-        # Its own connection: a feed's script never waits behind the batch loop's.
-        self.feeder = Feeder.for_fleet(fleet_state(create_redis(settings), fleet), store, fleet)
+        self.feeder = self._feeder(store)
         return self
 
     def _setup_prepare(self) -> WorkerService:
@@ -207,9 +205,14 @@ class WorkerService:
             settings, self.modalities, self.name, self.redis, observers
         )
         store = open_store(settings.results_url, settings.s3_endpoint_url, settings.s3_region)
-        fleet = settings.fleet
-        self.feeder = Feeder.for_fleet(fleet_state(create_redis(settings), fleet), store, fleet)
+        self.feeder = self._feeder(store)
         return self
+
+    def _feeder(self, store: ResultStore) -> Feeder:
+        """The feeder every worker runs for bulk jobs, on a connection of its own: a feed's
+        script never waits behind the loop's."""
+        fleet = self.settings.fleet
+        return Feeder.for_fleet(fleet_state(create_redis(self.settings), fleet), store, fleet)
 
     @property
     def hostname(self) -> str:

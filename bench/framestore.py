@@ -127,8 +127,9 @@ def _store_codecs() -> list[tuple[str, str, dict[str, Any]]]:
     ]
     if zstd_available():
         variants[:0] = [
-            ("raw uint8 + zstd 3 (chosen)", "zstd", {}),
+            ("raw uint8 + zstd -1 (chosen: literals raw)", "zstd", {}),
             ("raw uint8 + zstd 1", "zstd", {"level": 1}),
+            ("raw uint8 + zstd 3", "zstd", {"level": 3}),
         ]
     return variants
 
@@ -173,8 +174,11 @@ def _lossless_row(
     )
 
 
-def _frames(media: Any) -> list[Image.Image]:
-    return [media] if isinstance(media, Image.Image) else list(media.frames)
+def _frames(media: Any) -> list[Any]:
+    """Pillow frames, or one frame of Pixels read back (its ``tobytes`` is Pillow's)."""
+    from vlmq.workers.media import DecodedVideo
+
+    return list(media.frames) if isinstance(media, DecodedVideo) else [media]
 
 
 def _jpeg_row(media: Any, repeats: int) -> str:

@@ -1,7 +1,8 @@
 """Does the prepare tier feed an accelerator? Real-size media, real worker processes.
 
 Media (bench/realmedia.py): 1080p JPEG photos and 720p H.264 clips of 20 s (GOP 60), distinct
-per round. The GPU worker is ``vlmq worker --engine simulated`` (real media and processor
+per round: the still synthetic clips (~110 Mbit/s: keyframes ~400x other frames) and
+"camera" clips (panning, per-frame sensor noise, 4 Mbit/s: keyframes ~20x other frames). The GPU worker is ``vlmq worker --engine simulated`` (real media and processor
 work; ``generate`` sleeps 5 ms per micro-batch + 20 us per prompt token, visual tokens
 included, + 4 ms per decode step: an H200-like 2-3B model; the processor's resizing and
 normalising run on the simulated device, ``--simulate-processor device``) with the ``small``
@@ -9,7 +10,8 @@ Qwen2.5-VL checkpoint given Qwen2.5-VL-3B's real processor configs (a 1080p phot
 tokens, 16 frames of a 720p clip ~5,800, as on the real model; the weights do not matter:
 ``generate`` is simulated), 16 new tokens per request.
 
-Side by side in each round, per workload (32 distinct photos; 8 distinct clips):
+Side by side in each round, per workload (96 distinct photos, 6 batches; 32 distinct clips,
+4 batches; 8 distinct camera clips):
 
 * **self**: the GPU worker prepares its own media (no prepare tier, no frame store).
 * **prepared**: two ``vlmq worker --role prepare`` processes prepare the job first (the GPU
@@ -18,12 +20,14 @@ Side by side in each round, per workload (32 distinct photos; 8 distinct clips):
   the GPU worker's own CPU seconds per request (``/proc``); the prepare workers' CPU seconds
   per item, hence items/s per core and the prepare cores one such accelerator needs.
 * **keyframes**: the same clips prepared with ``video_sampling: keyframes``.
+* **camera clips**: exact and keyframe sampling of filmed-like clips, for the prepare cores.
 * **second job**: 100 distinct 2 s 720p clips through the prepare tier, then a second job on
   the same 100 clips: decodes fleet-wide (the prepare workers'
   ``vlmq_media_loads_total{source="decoded"}`` + the GPU worker's ``media_decodes``).
 
     python -m bench.prepare_tier                  # 3 rounds, writes bench/README.md
     python -m bench.prepare_tier --repeats 1 --write ''
+    python -m bench.prepare_tier --repeats 1 --write '' --workloads photos
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from bench.realmedia import clips, photos
 
 MARKER = "prepare-tier"
 PREPARE_WORKERS = 2
+WORKLOADS = ("photos", "clips", "camera clips", "hundred")
+PHOTOS, CLIPS, CAMERA_CLIPS = 96, 32, 8
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -121,11 +127,15 @@ def bench_model(workdir: Path) -> Path:
 
 
 def _workloads(round_: int) -> dict[str, list[dict[str, Any]]]:
-    photo = photos(32, start=1000 + 32 * round_)
-    clip = clips(8, start=1000 + 8 * round_)
+    """Per round, distinct media: several batches each (``BATCH``: 16 photos, 8 clips), so
+    the busy fraction is the pipeline's, not the first batch's start-up."""
+    photo = photos(PHOTOS, start=1000 + PHOTOS * round_)
+    clip = clips(CLIPS, start=1000 + CLIPS * round_)
+    camera = clips(CAMERA_CLIPS, start=1000 + CAMERA_CLIPS * round_, camera=True)
     return {
         "photos": [_item("image", p, "What is in the picture?", n) for n, p in enumerate(photo)],
         "clips": [_item("video", c, "What happens?", n) for n, c in enumerate(clip)],
+        "camera clips": [_item("video", c, "What happens?", n) for n, c in enumerate(camera)],
     }
 
 
@@ -241,7 +251,9 @@ def _start_fleet(bench: Services, model: Path) -> tuple[str, str, list[str], lis
     return "gpu-self", "gpu-fed", preparers, ports
 
 
-def measure(bench: Services, model: Path, report: Report) -> None:
+def measure(
+    bench: Services, model: Path, report: Report, workloads: tuple[str, ...] = WORKLOADS
+) -> None:
     own, fed, preparers, ports = _start_fleet(bench, model)
     warm = [_item("image", photos(1, start=20_000)[0], "Warm up.", n) for n in range(2)]
     run_self(bench, own, warm)
@@ -249,15 +261,18 @@ def measure(bench: Services, model: Path, report: Report) -> None:
     for round_ in range(report.repeats):
         _progress(f"round {round_ + 1}/{report.repeats}")
         for name, items in _workloads(round_).items():
+            if name not in workloads:
+                continue
             report.add(name, "self", run_self(bench, own, items))
             report.add(name, "prepared", run_prepared(bench, fed, preparers, ports, items))
-            if name == "clips":
+            if name in ("clips", "camera clips"):
                 keyed = _keyframes(items)
                 report.add(name, "keyframes", run_prepared(bench, fed, preparers, ports, keyed))
             _progress(f"{name}: {_summary(report, name)}")
-    hundred = [_item("video", c, "What happens?", n) for n, c in enumerate(_hundred())]
-    for job in ("100 clips, first job", "100 clips, second job"):
-        report.add(job, "prepared", run_prepared(bench, fed, preparers, ports, hundred))
+    if "hundred" in workloads:
+        hundred = [_item("video", c, "What happens?", n) for n, c in enumerate(_hundred())]
+        for job in ("100 clips, first job", "100 clips, second job"):
+            report.add(job, "prepared", run_prepared(bench, fed, preparers, ports, hundred))
     for name in (own, fed, *preparers):
         _stop(bench.procs.pop(name))
 
@@ -318,6 +333,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="which of photos, clips, camera clips, hundred (the second job on 100 clips)",
+    )
+    parser.add_argument(
         "--write", default=str(ROOT / "bench" / "README.md"), help="README to update ('' to skip)"
     )
     args = parser.parse_args(argv)
@@ -327,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     _hundred()
     report = Report(args.repeats)
     with services() as bench:
-        measure(bench, model, report)
+        measure(bench, model, report, tuple(args.workloads.split(",")))
     command = "python -m bench.prepare_tier" + (
         f" {' '.join(argv or sys.argv[1:])}" if (argv or sys.argv[1:]) else ""
     )

@@ -2,7 +2,8 @@
 
 Photos: 1920x1080 JPEG (quality 90) of seeded gradients, shapes and noise. Clips: 1280x720
 H.264 at 30 fps with a keyframe every 2 s (GOP 60) unless asked otherwise, a square moving
-over a seeded background, 20 s unless asked otherwise. Generating a 20 s clip takes ~15 s
+over a seeded background, 20 s unless asked otherwise; "camera" clips pan across a wider
+scene with per-frame sensor noise at 4 Mbit/s. Generating a 20 s clip takes ~15 s
 here, so they are cached under ``.vlmq/bench-media/`` by their parameters.
 """
 
@@ -12,9 +13,11 @@ from pathlib import Path
 
 from tests.support.samples import make_image, make_video_bytes
 
-__all__ = ["MEDIA_DIR", "clips", "photos"]
+__all__ = ["CAMERA_BITRATE", "MEDIA_DIR", "clips", "photos"]
 
 MEDIA_DIR = Path(__file__).resolve().parents[1] / ".vlmq" / "bench-media"
+# 720p30 as streamed and uploaded (YouTube recommends 5 Mbit/s for 720p30 uploads).
+CAMERA_BITRATE = 4_000_000
 
 
 def photos(count: int, start: int = 0, folder: Path = MEDIA_DIR) -> list[Path]:
@@ -30,13 +33,22 @@ def photos(count: int, start: int = 0, folder: Path = MEDIA_DIR) -> list[Path]:
 
 
 def clips(
-    count: int, seconds: int = 20, start: int = 0, folder: Path = MEDIA_DIR, gop: int = 60
+    count: int,
+    seconds: int = 20,
+    start: int = 0,
+    folder: Path = MEDIA_DIR,
+    gop: int = 60,
+    camera: bool = False,
 ) -> list[Path]:
-    """``count`` clips, seeds from ``start``, a keyframe every ``gop`` frames."""
+    """``count`` clips, seeds from ``start``, a keyframe every ``gop`` frames. ``camera``:
+    filmed-like clips at a streaming bitrate (``CAMERA_BITRATE``): the view pans and each
+    frame has its own sensor noise, so a keyframe is ~20x another frame, not ~400x as in
+    the still synthetic clips at ~110 Mbit/s."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
+    kind = f"-camera{CAMERA_BITRATE // 1_000_000}m" if camera else ""
     for seed in range(start, start + count):
-        path = folder / f"clip-720p-{seconds}s-gop{gop}-{seed}.mp4"
+        path = folder / f"clip-720p-{seconds}s-gop{gop}{kind}-{seed}.mp4"
         if not path.exists():
             data = make_video_bytes(
                 n_frames=30 * seconds,
@@ -45,6 +57,8 @@ def clips(
                 seed=100 + seed,
                 codec="libx264",
                 gop=gop,
+                bit_rate=CAMERA_BITRATE if camera else None,
+                camera=camera,
             )
             partial = path.with_suffix(".part")
             partial.write_bytes(data)

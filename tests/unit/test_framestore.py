@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -16,7 +17,7 @@ from vlmq.config.results import FileStore
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettings
 from vlmq.workers.demo.tiny import FAMILIES
-from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader
+from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, Pixels
 from vlmq.workers.media.decode import Sampling
 from vlmq.workers.media.framecodec import (
     CODECS,
@@ -65,21 +66,47 @@ def _store(root: Path, settings: FrameStoreSettings = BOTH, **media: Any) -> Fra
 @pytest.mark.parametrize("codec", _codecs())
 def test_every_codec_reads_back_the_exact_pixels_and_metadata(codec: str) -> None:
     image = make_image((37, 23), seed=4)
-    back = decode_object(encode_object(image, codec), 10**6, 16)
-    assert isinstance(back, Image.Image) and back.mode == "RGB"
-    assert back.tobytes() == image.tobytes()
+    back = decode_object(encode_object(image, codec), 10**6, 16, key="k")
+    # Read back planar, as the processors take them: (frames, 3, height, width).
+    assert isinstance(back, Pixels) and back.array.shape == (1, 3, 23, 37) and back.key == "k"
+    assert back.size == image.size and back.tobytes() == image.tobytes()
+    assert back.image().tobytes() == image.tobytes()
     video = _video()
     again = decode_object(encode_object(video, codec), 10**6, 16)
-    assert isinstance(again, DecodedVideo) and _same_video(again, video)
+    assert isinstance(again, DecodedVideo) and isinstance(again.frames, Pixels)
+    assert _same_video(again, video)
+    # What was read back writes the same object again.
+    rewritten = decode_object(encode_object(again, codec), 10**6, 16)
+    assert isinstance(rewritten, DecodedVideo) and _same_video(rewritten, again)
 
 
-def test_any_flipped_byte_is_caught() -> None:
-    data = bytearray(encode_object(_video(), "zlib"))
-    for position in (0, 12, len(data) // 2, len(data) - 1):
+def _noise_video(frames: int = 3) -> DecodedVideo:
+    """Incompressible frames: zstd and zlib store them as they are, so only a checksum can
+    tell a flipped payload byte."""
+    rng = np.random.default_rng(5)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)) for _ in range(frames)
+    ]
+    return DecodedVideo(images, 25.0, 1.0, list(range(frames)), 25, 48, 32)
+
+
+@pytest.mark.parametrize("codec", _codecs())
+def test_any_flipped_byte_is_caught(codec: str) -> None:
+    data = bytearray(encode_object(_noise_video(), codec))
+    for position in (0, 12, 40, len(data) // 2, len(data) - 40, len(data) - 1):
         flipped = bytearray(data)
         flipped[position] ^= 0x01
         with pytest.raises(CorruptObject):
             decode_object(bytes(flipped), 10**6, 16)
+
+
+def test_frames_of_several_sizes_are_not_stored(tmp_path: Path) -> None:
+    video = _video()
+    assert isinstance(video.frames, list)
+    video.frames[1] = video.frames[1].resize((24, 16))
+    store = _store(tmp_path)
+    assert store.put("t/video/ab/x.vfr", video) is False
+    assert store.get("t/video/ab/x.vfr") is None
 
 
 def test_a_header_asking_for_too_much_is_refused_before_allocating() -> None:
@@ -244,6 +271,7 @@ def test_prepared_from_store_and_direct_give_identical_pixels(folders: dict[str,
     second = _loader(folders)
     stored = second.load_image(str(photo), TARGET, "t")
     assert second.thread_counts().decodes == 0  # the bytes were read (their hash), not decoded
+    assert isinstance(stored, Pixels) and isinstance(direct, Image.Image)
     assert stored.size == direct.size and stored.tobytes() == direct.tobytes()
 
 
@@ -338,6 +366,8 @@ def test_an_s3_source_is_named_by_a_head_before_any_download(folders: dict[str, 
 def test_store_and_direct_give_identical_greedy_tokens(
     family: str, checkpoint: Any, folders: dict[str, Path]
 ) -> None:
+    import torch
+
     from vlmq.workers.engine import Engine
 
     photo = folders["media"] / "p.png"
@@ -362,16 +392,25 @@ def test_store_and_direct_give_identical_greedy_tokens(
     loader = _loader(folders)
     engine = Engine(model, EngineSettings(), loader.settings, loader=loader).setup()
 
+    inputs: list[dict[str, Any]] = []
+
     def tokens(decodes: int, hits: int) -> list[int]:
         prepared = engine.prepare(request, "t")
         assert prepared.error is None
         assert prepared.timings["media_decodes"] == decodes
         assert prepared.timings["frame_store_hits"] == hits
-        [outcome] = engine.generate(engine.collate([prepared]))
+        collated = engine.collate([prepared])
+        inputs.append(dict(collated.inputs))
+        [outcome] = engine.generate(collated)
         assert outcome.completion is not None
         return list(outcome.completion.token_ids)
 
-    direct = tokens(decodes=2, hits=0)
-    stored = tokens(decodes=0, hits=2)  # a second job on the same media: nothing decoded
+    direct = tokens(decodes=2, hits=0)  # Pillow media
+    stored = tokens(decodes=0, hits=2)  # read back as Pixels: nothing decoded
     assert stored == direct
+    # The processor made the same tensors of both, bit for bit.
+    assert inputs[0].keys() == inputs[1].keys()
+    for name, value in inputs[0].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, inputs[1][name]), name
     engine.close()

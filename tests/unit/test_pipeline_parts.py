@@ -16,6 +16,7 @@ from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.engine import Engine
 from vlmq.workers.engine.model import load_processor
+from vlmq.workers.engine.placeholders import RunLengthTokenizer
 from vlmq.workers.engine.prepare import video_content, visual_downscale
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import Downscale, MediaCache, MediaLoader, decode_image
@@ -88,6 +89,38 @@ def test_cached_processors_give_the_tensors_of_the_plain_one(family_dir: Path, m
         assert set(got) == set(expected)
         for name in expected:
             assert torch.equal(got[name], expected[name]), name
+
+
+def test_run_length_tokenizing_gives_the_plain_tokenizers_ids(
+    family_dir: Path, media: Path
+) -> None:
+    """Prompts of different lengths (left padding), images and a video: the processor with
+    its placeholders run-length tokenized gives the plain processor's tensors."""
+    settings = EngineSettings()
+    loader = MediaLoader(MediaSettings(local_roots=[str(media)]))
+    plain = load_processor(str(family_dir), settings)
+    full = _conversation(loader, media, plain)
+    image_only = [
+        {"role": "user", "content": [full[0]["content"][0], {"type": "text", "text": "Hi"}]}
+    ]
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "No media here."}]}]
+    expected = _collate(plain, [full, image_only])
+    processors = ProcessorSet(
+        load_processor(str(family_dir), settings),
+        lambda: load_processor(str(family_dir), settings),
+        MediaCache(0),
+    )
+    wrapped = processors.for_thread()
+    assert isinstance(wrapped.tokenizer, RunLengthTokenizer)
+    got = _collate(wrapped, [full, image_only])
+    assert wrapped.tokenizer.served == 1  # the run-length path answered, no fallback
+    assert set(got) == set(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # Text alone has no run to shorten: the tokenizer's own call.
+    alone = wrapped.apply_chat_template(text_only, tokenize=True, add_generation_prompt=True)
+    assert alone == plain.apply_chat_template(text_only, tokenize=True, add_generation_prompt=True)
+    assert wrapped.tokenizer.served == 1
 
 
 def test_a_thread_gets_its_own_processor(family_dir: Path) -> None:

@@ -93,6 +93,19 @@ def _stamp_frame_code(image: Image.Image, index: int) -> Image.Image:
     return stamped
 
 
+def _view(
+    scene: Image.Image, width: int, index: int, n_frames: int, noise: np.random.Generator | None
+) -> Image.Image:
+    """The frame's background: the whole scene, or (a camera) a window panning across it with
+    its own sensor noise."""
+    if noise is None:
+        return scene
+    x = (scene.width - width) * index // max(1, n_frames - 1)
+    view = np.asarray(scene.crop((x, 0, x + width, scene.height)), dtype=np.int16)
+    grain = noise.integers(-6, 7, size=view.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(view + grain, 0, 255).astype(np.uint8), mode="RGB")
+
+
 def _video_frame(base: Image.Image, index: int, n_frames: int) -> Image.Image:
     """The base image with a square moving left to right, plus the code row."""
     frame = base.copy()
@@ -113,14 +126,21 @@ def make_video_bytes(
     codec: str = "mpeg4",
     gop: int | None = None,
     live: bool = False,
+    bit_rate: int | None = None,
+    camera: bool = False,
 ) -> bytes:
     """Encode a synthetic clip with PyAV. ``codec`` may be "libx264" where the
     FFmpeg build has it; ``gop`` sets the keyframe interval (seek tests);
-    ``live`` (Matroska/WebM) omits duration and cues, as streamed recordings do."""
+    ``live`` (Matroska/WebM) omits duration and cues, as streamed recordings do.
+    ``bit_rate`` (default: high enough for the frame-code blocks of small clips);
+    ``camera``: the view pans across a wider scene and every frame has its own sensor
+    noise, so later frames carry new pixels as filmed clips do (a still scene costs an
+    encoder its keyframes and almost nothing else)."""
     width, height = size
     if width % 2 or height % 2:
         raise ValueError("video width and height must be even")
-    base = make_image(size, seed)
+    scene = make_image((width * 2 if camera else width, height), seed)
+    noise = np.random.default_rng(seed) if camera else None
     buffer = io.BytesIO()
     muxer = MUXERS.get(container, container)
     options = {"live": "1"} if live else None
@@ -131,10 +151,11 @@ def make_video_bytes(
         stream.width, stream.height = width, height
         stream.pix_fmt = _PIXEL_FORMATS.get(codec, "yuv420p")
         # High quality so the frame-code blocks survive compression.
-        stream.bit_rate = max(200_000, width * height * fps * 4)
+        stream.bit_rate = bit_rate or max(200_000, width * height * fps * 4)
         if gop is not None:
             stream.codec_context.gop_size = gop
         for index in range(n_frames):
+            base = _view(scene, width, index, n_frames, noise)
             frame = av.VideoFrame.from_image(_video_frame(base, index, n_frames))
             output.mux(stream.encode(frame))
         output.mux(stream.encode(None))

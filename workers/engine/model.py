@@ -13,6 +13,7 @@ from typing import Any
 
 from vlmq.config.errors import ConfigError
 from vlmq.config.settings import EngineSettings
+from vlmq.workers.engine.placeholders import unwrapped
 
 __all__ = [
     "LoadedModel",
@@ -48,7 +49,8 @@ class LoadedModel:
 
     @property
     def tokenizer(self) -> Any:
-        return self.processor.tokenizer
+        # The processor's may be wrapped for prompts (processors.py): the tokenizer itself.
+        return unwrapped(self.processor.tokenizer)
 
 
 def resolve_device(requested: str) -> str:

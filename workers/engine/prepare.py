@@ -27,10 +27,19 @@ from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.estimate import estimate_prompt_tokens
 from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.processors import ProcessorSet
-from vlmq.workers.media import DecodedVideo, Downscale, ImageDecoder, MediaLoader, image_bytes
+from vlmq.workers.media import (
+    DecodedVideo,
+    Downscale,
+    ImageDecoder,
+    MediaLoader,
+    Pixels,
+    image_bytes,
+)
 from vlmq.workers.media.device import device_image_decoder
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from vlmq.workers.engine.constraints import GrammarBook
 
 __all__ = ["Prepared", "Preparer", "visual_downscale"]
@@ -74,7 +83,13 @@ def video_content(video: DecodedVideo) -> dict[str, Any]:
         "fps": video.fps,
         "frames_indices": list(video.frame_indices),
     }
-    return {"type": "video", "video": list(video.frames), "metadata": metadata}
+    frames = video.frames
+    # Pixels stay whole: the HF runner hands them to the processor as one tensor.
+    return {
+        "type": "video",
+        "video": frames if isinstance(frames, Pixels) else list(frames),
+        "metadata": metadata,
+    }
 
 
 def _subsample(video: DecodedVideo, count: int) -> DecodedVideo:
@@ -82,10 +97,15 @@ def _subsample(video: DecodedVideo, count: int) -> DecodedVideo:
     if len(video.frames) <= count:
         return video
     step = len(video.frames) / count
-    keep = [int(i * step) for i in range(count)]
+    return _taken(video, [int(i * step) for i in range(count)])
+
+
+def _taken(video: DecodedVideo, keep: list[int]) -> DecodedVideo:
+    """The video with only the frames at ``keep`` (repeats allowed)."""
+    frames = video.frames
     return replace(
         video,
-        frames=[video.frames[i] for i in keep],
+        frames=frames.take(keep) if isinstance(frames, Pixels) else [frames[i] for i in keep],
         frame_indices=[video.frame_indices[i] for i in keep],
     )
 
@@ -331,12 +351,7 @@ class Preparer:
             for part in request.parts("video")
         ]
         # Qwen's temporal patch covers two frames: a one-frame clip repeats its frame.
-        videos = [
-            replace(v, frames=v.frames * 2, frame_indices=v.frame_indices * 2)
-            if len(v.frames) == 1
-            else v
-            for v in videos
-        ]
+        videos = [_taken(v, [0, 0]) if len(v.frames) == 1 else v for v in videos]
         if self.loaded.family == "internvl" and videos:
             # InternVL stacks every video of one processor call: equal frame counts.
             common = min(len(v.frames) for v in videos)
@@ -357,6 +372,13 @@ class Preparer:
         )
 
 
+def _frames_bytes(frames: list[Image.Image] | Pixels) -> int:
+    """What a video part's frames hold, in bytes."""
+    if isinstance(frames, Pixels):
+        return frames.nbytes
+    return sum(image_bytes(frame) for frame in frames)
+
+
 def _media_bytes(conversation: list[dict[str, Any]]) -> int:
     total = 0
     for message in conversation:
@@ -364,5 +386,5 @@ def _media_bytes(conversation: list[dict[str, Any]]) -> int:
             if part["type"] == "image":
                 total += image_bytes(part["image"])
             elif part["type"] == "video":
-                total += sum(image_bytes(frame) for frame in part["video"])
+                total += _frames_bytes(part["video"])
     return total

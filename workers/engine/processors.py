@@ -19,7 +19,9 @@ from typing import Any
 
 from PIL import Image
 
+from vlmq.workers.engine.placeholders import RunLengthTokenizer
 from vlmq.workers.media.cache import MediaCache
+from vlmq.workers.media.pixels import KEY_ATTRIBUTE
 
 __all__ = ["ProcessorSet", "tensor_bytes"]
 
@@ -62,7 +64,13 @@ def _flatten(media: Any, videos: bool) -> list[Any] | None:
 
 
 def _pixels_key(item: Any) -> str:
-    """A content hash of an image, a frame list or an array: the cache key of its output."""
+    """A content hash of an image, a frame list or an array: the cache key of its output.
+    Frames read back from the frame store come named (``Pixels.as_tensor``): their
+    name is the key, instead of a hash of ~29 MB a clip."""
+    named = getattr(item, KEY_ATTRIBUTE, None)
+    if isinstance(named, str):
+        shape = tuple(item.shape)
+        return hashlib.blake2b(f"pixels:{named}:{shape}".encode(), digest_size=20).hexdigest()
     digest = hashlib.blake2b(digest_size=20)
     for part in item if isinstance(item, list | tuple) else [item]:
         if isinstance(part, Image.Image):
@@ -162,9 +170,19 @@ class ProcessorSet:
             return use(self._estimator)
 
     def _wrap(self, processor: Any) -> Any:
+        tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is not None and not isinstance(tokenizer, RunLengthTokenizer):
+            processor.tokenizer = RunLengthTokenizer(tokenizer, _placeholders(processor))
         if self._cache.budget_bytes > 0:
             for attribute, arg in (("image_processor", "images"), ("video_processor", "videos")):
                 inner = getattr(processor, attribute, None)
                 if inner is not None and not isinstance(inner, _CachingMediaProcessor):
                     setattr(processor, attribute, _CachingMediaProcessor(inner, arg, self._cache))
         return processor
+
+
+def _placeholders(processor: Any) -> list[str]:
+    """The processor's media placeholder tokens that its tokenizer keeps whole."""
+    added = processor.tokenizer.get_added_vocab()
+    tokens = {getattr(processor, name, None) for name in ("image_token", "video_token")}
+    return sorted(token for token in tokens if isinstance(token, str) and token in added)

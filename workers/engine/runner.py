@@ -40,6 +40,7 @@ from vlmq.workers.engine.interface import Collated
 from vlmq.workers.engine.logprobs import LogprobRecorder, openai_logprobs
 from vlmq.workers.engine.model import LoadedModel, eos_token_ids
 from vlmq.workers.engine.prepare import Prepared
+from vlmq.workers.media.pixels import Pixels
 
 __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory"]
 
@@ -173,7 +174,7 @@ class BatchRunner:
         processor_kwargs: dict[str, Any] = {"padding": True}
         if self.processor_device:
             processor_kwargs["device"] = self.processor_device
-        conversations = [items[row.item].conversation for row in _rows_of(items)]
+        conversations = [processor_media(items[row.item].conversation) for row in _rows_of(items)]
         metadata = [
             part["metadata"]
             for conversation in conversations
@@ -424,3 +425,27 @@ def _pinned(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
         return value.pin_memory()
     return value
+
+
+def processor_media(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as the processor takes it: frames read back from the frame store
+    (``Pixels``) become uint8 tensors over the same memory, channel-first as the
+    processors want them (no host copy); Pillow media stay as they are."""
+    if not any(
+        isinstance(part.get(part["type"]), Pixels)
+        for message in conversation
+        for part in message["content"]
+    ):
+        return conversation
+    return [
+        {**message, "content": [_tensor_part(part) for part in message["content"]]}
+        for message in conversation
+    ]
+
+
+def _tensor_part(part: dict[str, Any]) -> dict[str, Any]:
+    kind = part["type"]
+    media = part.get(kind)
+    if not isinstance(media, Pixels):
+        return part
+    return {**part, kind: media.as_tensor(single=kind == "image")}

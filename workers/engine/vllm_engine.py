@@ -40,9 +40,10 @@ from vlmq.workers.engine.completions import (
 )
 from vlmq.workers.engine.interface import CONTINUOUS, Collated, EngineDied
 from vlmq.workers.engine.model import LoadedModel, detect_family, eos_token_ids, load_processor
+from vlmq.workers.engine.placeholders import unwrapped
 from vlmq.workers.engine.prepare import Prepared, Preparer
 from vlmq.workers.engine.processors import ProcessorSet
-from vlmq.workers.media import MediaLoader
+from vlmq.workers.media import MediaLoader, Pixels
 
 if TYPE_CHECKING:
     from vlmq.workers.engine.engine import EngineStats
@@ -222,7 +223,7 @@ class VllmEngine:
 
         from vlmq.workers.engine.constraints import GrammarBook
 
-        tokenizer = processor.tokenizer
+        tokenizer = unwrapped(processor.tokenizer)
         text_config = getattr(config, "text_config", config)
         vocab = int(getattr(text_config, "vocab_size", len(tokenizer)))
         try:
@@ -545,12 +546,19 @@ def _engine_dead(exc: BaseException) -> bool:
     )
 
 
+def _channels_last(frames: Any) -> Any:
+    """A video's frames as vLLM takes them: ``(frames, height, width, 3)`` uint8."""
+    import numpy as np
+
+    if isinstance(frames, Pixels):
+        return frames.channels_last()
+    return np.stack([np.asarray(frame.convert("RGB")) for frame in frames])
+
+
 def _prompt(item: Prepared, processor: Any) -> dict[str, Any]:
     """vLLM's prompt for one prepared request: the chat template rendered as text, the
     decoded images, and each video as its frames with vlmq's metadata (so vLLM keeps vlmq's
     frame choice and places the frames in time)."""
-    import numpy as np
-
     text = processor.apply_chat_template(
         item.conversation, tokenize=False, add_generation_prompt=True
     )
@@ -559,9 +567,10 @@ def _prompt(item: Prepared, processor: Any) -> dict[str, Any]:
     for message in item.conversation:
         for part in message["content"]:
             if part["type"] == "image":
-                images.append(part["image"])
+                image = part["image"]
+                images.append(image.image() if isinstance(image, Pixels) else image)
             elif part["type"] == "video":
-                frames = np.stack([np.asarray(frame.convert("RGB")) for frame in part["video"]])
+                frames = _channels_last(part["video"])
                 meta = dict(part["metadata"])
                 fps = float(meta.get("fps") or 1.0)
                 meta.setdefault("duration", meta.get("total_num_frames", len(frames)) / fps)

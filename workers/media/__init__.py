@@ -40,6 +40,7 @@ from vlmq.workers.media.fetch import MediaFetcher, MediaKind
 from vlmq.workers.media.framecodec import PreparedMedia
 from vlmq.workers.media.framestore import FrameScope, FrameStore, content_id
 from vlmq.workers.media.netpolicy import Resolver
+from vlmq.workers.media.pixels import Pixels
 from vlmq.workers.media.s3_fetch import S3ClientFactory
 
 T = TypeVar("T")
@@ -54,6 +55,7 @@ __all__ = [
     "MediaFetcher",
     "MediaKind",
     "MediaLoader",
+    "Pixels",
     "decode_image",
     "decode_video",
     "image_bytes",
@@ -77,11 +79,15 @@ class ImageDecoder(Protocol):
     ) -> Image.Image: ...
 
 
-def image_bytes(image: Image.Image) -> int:
+def image_bytes(image: Image.Image | Pixels) -> int:
+    if isinstance(image, Pixels):
+        return image.nbytes
     return image.width * image.height * len(image.getbands())
 
 
 def video_bytes(video: DecodedVideo) -> int:
+    if isinstance(video.frames, Pixels):
+        return video.frames.nbytes
     return sum(image_bytes(frame) for frame in video.frames)
 
 
@@ -151,10 +157,11 @@ class MediaLoader:
         tenant: str | None = None,
         decoder: ImageDecoder | None = None,
         prepared: bool = False,
-    ) -> Image.Image:
-        """An RGB image from a source string, or an in-process PIL image. ``decoder`` (a
-        device decoder) replaces the CPU one; its pixels are keyed apart. ``prepared``: the
-        task goes through the prepare tier (the frame store holds its photos too)."""
+    ) -> Image.Image | Pixels:
+        """An RGB image from a source string, or an in-process PIL image; read back from the
+        frame store, one frame of ``Pixels``. ``decoder`` (a device decoder) replaces the CPU
+        one; its pixels are keyed apart. ``prepared``: the task goes through the prepare
+        tier (the frame store holds its photos too)."""
         if isinstance(source, Image.Image):
             # Already decoded by a trusted caller; the pixel limit still holds.
             check_image_pixels(source.size, self.settings)
@@ -162,7 +169,7 @@ class MediaLoader:
         _require_str(source)
         name = decoder.name if decoder is not None else "cpu"
         decode = decoder.decode if decoder is not None else decode_image
-        image: Image.Image = self._load(
+        image: Image.Image | Pixels = self._load(
             source,
             "image",
             lambda data: decode(data, self.settings, downscale),
@@ -277,7 +284,7 @@ class MediaLoader:
         """The prepared media from the frame store, or fetched (unless in hand), decoded and
         stored there."""
         held = scope.store.get(key)
-        if held is not None and isinstance(held, Image.Image) == (kind == "image"):
+        if held is not None and isinstance(held, DecodedVideo) == (kind == "video"):
             self._count("store_hits")
             return cast(T, held)
         if data is None:

@@ -29,6 +29,7 @@ from vlmq.config.media_checks import (
 )
 from vlmq.config.settings import MediaSettings
 from vlmq.config.vision import downscaled_size, sampled_frame_count
+from vlmq.workers.media.pixels import Pixels
 
 __all__ = [
     "SAMPLING_MODES",
@@ -139,7 +140,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
 class DecodedVideo:
     """Sampled RGB frames plus what the processor needs to place them in time."""
 
-    frames: list[Image.Image]
+    # Decoded here: Pillow frames; read back from the frame store: ``Pixels`` (planar).
+    frames: list[Image.Image] | Pixels
     fps: float  # source frame rate
     duration_s: float
     frame_indices: list[int]  # index of each frame in the source

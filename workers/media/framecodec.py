@@ -1,13 +1,21 @@
 """How prepared media (decoded, sampled, resized RGB frames plus their video metadata) is
 serialised for the frame store: one self-describing, checksummed object.
 
-Layout: ``MAGIC | u32 header length | header (JSON) | payload | SHA-256 of all before it``.
-The header names the codec and each frame's size (and, for the per-frame codecs, each frame's
-byte length), so any worker reads any object whatever codec wrote it. Every codec here is
-lossless: frames read back are byte-identical to the ones written (tested), which is what lets
-a prepared-from-store request give the same tokens as a direct one. The codec was chosen by
-measurement (``python -m bench.framestore``, bench/README.md): raw uint8 + zstd level 3
-(``zstandard``, in the worker extra), with raw uint8 + zlib level 1 where it is missing.
+Layout: ``MAGIC | u32 header length | header (JSON) | payload | SHA-256``. The header names
+the codec, the frames' size and count (and, for the per-frame image codecs, each frame's byte
+length), so any worker reads any object whatever codec wrote it. The payload is the frames
+*planar*, ``(frames, 3, height, width)`` uint8, which is what the processors take: read
+back, it becomes their input without a copy (``Pixels``, workers/media/pixels.py).
+
+The checksum: zstd and zlib check their own payload while decompressing (zstd's XXH64 of
+the content, zlib's Adler-32; ``"checked": "payload"`` in the header), so the SHA-256 covers
+the header only and reading a clip back does not hash ~29 MB a second time; for the image
+codecs it covers the payload too. Every codec here is lossless: frames read back are
+byte-identical to the ones written (tested), which is what lets a prepared-from-store
+request give the same tokens as a direct one. The codec was chosen by measurement
+(``python -m bench.framestore``, bench/README.md): raw uint8 + zstd (``zstandard``, in the
+worker extra; level -1 by default, ``frame_store.zstd_level``), with raw uint8 + zlib level 1
+where it is missing.
 
 Torch-free: prepare workers run without a model.
 """
@@ -23,9 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from vlmq.workers.media.decode import DecodedVideo
+from vlmq.workers.media.pixels import CHANNELS, Pixels, pixels_of
 
 __all__ = [
     "CODECS",
@@ -37,13 +47,16 @@ __all__ = [
     "zstd_available",
 ]
 
-PreparedMedia = Image.Image | DecodedVideo
+# What the store keeps and gives back: an image (written from Pillow, read back as one
+# frame of ``Pixels``) or a sampled video (its frames as ``Pixels`` once read back).
+PreparedMedia = Image.Image | Pixels | DecodedVideo
 
-MAGIC = b"VLMQFRM1"
+MAGIC = b"VLMQFRM2"
 _LENGTH = struct.Struct(">I")
 _DIGEST_BYTES = 32
 _MAX_HEADER_BYTES = 1 << 20
-_RGB = 3
+_SELF_CHECKED = "payload"  # the header's ``checked``: the codec verifies its payload
+_READ_SIZE = 1 << 20  # compressed bytes per step of a zstd read (measured best of 128K-all)
 
 
 class CorruptObject(Exception):
@@ -55,47 +68,42 @@ class CorruptObject(Exception):
 
 @dataclass(frozen=True)
 class _Codec:
-    """``encode(frames) -> (payload, per-frame lengths or [])``;
-    ``decode(payload, sizes, lengths) -> frames``."""
+    """``encode(pixels) -> (payload, per-frame lengths or [])``;
+    ``decode(payload, shape, lengths) -> planar uint8 array of that shape``. ``checks``:
+    decoding verifies the payload itself (a flipped byte cannot read back as pixels)."""
 
-    encode: Callable[[list[Image.Image]], tuple[bytes, list[int]]]
-    decode: Callable[[bytes, list[tuple[int, int]], list[int]], list[Image.Image]]
-
-
-def _raw(frames: list[Image.Image]) -> bytes:
-    return b"".join(frame.tobytes() for frame in frames)
+    encode: Callable[..., tuple[bytes, list[int]]]
+    decode: Callable[[memoryview, tuple[int, int, int, int], list[int]], np.ndarray]
+    checks: bool = False
 
 
-def _split_raw(raw: bytes, sizes: list[tuple[int, int]]) -> list[Image.Image]:
-    if len(raw) != _raw_bytes(sizes):
+def _planar(raw: bytes, shape: tuple[int, int, int, int]) -> np.ndarray:
+    if len(raw) != _raw_bytes(shape):
         raise CorruptObject("frame bytes do not match the header")
-    frames, offset = [], 0
-    for width, height in sizes:
-        end = offset + width * height * _RGB
-        frames.append(Image.frombytes("RGB", (width, height), raw[offset:end]))
-        offset = end
-    return frames
+    return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
-def _raw_bytes(sizes: list[tuple[int, int]]) -> int:
-    return sum(width * height * _RGB for width, height in sizes)
+def _raw_bytes(shape: tuple[int, int, int, int]) -> int:
+    frames, channels, height, width = shape
+    return frames * channels * height * width
 
 
-def _zlib_encode(frames: list[Image.Image], level: int = 1) -> tuple[bytes, list[int]]:
-    return zlib.compress(_raw(frames), level), []
+def _zlib_encode(pixels: Pixels, level: int = 1) -> tuple[bytes, list[int]]:
+    return zlib.compress(pixels.array.tobytes(), level), []
 
 
-def _zlib_decode(payload: bytes, sizes: list[tuple[int, int]], _: list[int]) -> list[Image.Image]:
-    expected = _raw_bytes(sizes)
+def _zlib_decode(payload: memoryview, shape: tuple[int, int, int, int], _: list[int]) -> np.ndarray:
+    expected = _raw_bytes(shape)
     inflater = zlib.decompressobj()
     try:
         # Never more than the header's frames need: a crafted object cannot inflate a bomb.
+        # zlib checks the stream's Adler-32 when it reaches the end.
         raw = inflater.decompress(payload, expected + 1)
     except zlib.error:
         raise CorruptObject("frames do not decompress") from None
-    if not inflater.eof or inflater.unconsumed_tail:
+    if not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
         raise CorruptObject("frame bytes do not match the header")
-    return _split_raw(raw, sizes)
+    return _planar(raw, shape)
 
 
 def zstd_available() -> bool:
@@ -113,30 +121,51 @@ def resolve_codec(name: str) -> str:
     return "zstd" if zstd_available() else "zlib"
 
 
-def _zstd_encode(frames: list[Image.Image], level: int = 3) -> tuple[bytes, list[int]]:
+def _zstd_encode(pixels: Pixels, level: int = -1) -> tuple[bytes, list[int]]:
     import zstandard
 
-    return zstandard.ZstdCompressor(level=level).compress(_raw(frames)), []
+    # The content checksum (XXH64) is what verifies the payload on reading.
+    compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
+    return compressor.compress(pixels.array.tobytes()), []
 
 
-def _zstd_decode(payload: bytes, sizes: list[tuple[int, int]], _: list[int]) -> list[Image.Image]:
+def _zstd_decode(payload: memoryview, shape: tuple[int, int, int, int], _: list[int]) -> np.ndarray:
     import zstandard
 
+    expected = _raw_bytes(shape)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_raw_bytes(sizes))
+        params = zstandard.get_frame_parameters(payload)
     except zstandard.ZstdError:
         raise CorruptObject("frames do not decompress") from None
-    return _split_raw(raw, sizes)
+    if not params.has_checksum or params.content_size != expected:
+        raise CorruptObject("frame bytes do not match the header")
+    # Straight into a NumPy array: NumPy asks the kernel for huge pages for large arrays,
+    # where a bytes object of a clip's ~29 MB costs ~7,000 page faults (measured: 8.5 ms
+    # against 21 ms per clip, 3 ms against 5 ms per photo, bench/README.md).
+    out = np.empty(shape, dtype=np.uint8)
+    view = out.reshape(-1).data
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(payload, read_size=_READ_SIZE)
+        filled = 0
+        while filled < expected:
+            count = reader.readinto(view[filled:])
+            if not count:
+                break
+            filled += count
+        # Reading on to the frame's end is what checks its checksum (and finds extra data).
+        if filled != expected or reader.readinto(bytearray(1)):
+            raise CorruptObject("frame bytes do not match the header")
+    except zstandard.ZstdError:
+        raise CorruptObject("frames do not decompress") from None
+    return out
 
 
-def _image_encoder(
-    format: str, **params: Any
-) -> Callable[[list[Image.Image]], tuple[bytes, list[int]]]:
-    def encode(frames: list[Image.Image]) -> tuple[bytes, list[int]]:
+def _image_encoder(format: str, **params: Any) -> Callable[[Pixels], tuple[bytes, list[int]]]:
+    def encode(pixels: Pixels) -> tuple[bytes, list[int]]:
         parts = []
-        for frame in frames:
+        for index in range(len(pixels)):
             buffer = io.BytesIO()
-            frame.save(buffer, format=format, **params)
+            pixels.image(index).save(buffer, format=format, **params)
             parts.append(buffer.getvalue())
         return b"".join(parts), [len(p) for p in parts]
 
@@ -144,15 +173,16 @@ def _image_encoder(
 
 
 def _image_decode(
-    payload: bytes, sizes: list[tuple[int, int]], lengths: list[int]
-) -> list[Image.Image]:
-    if len(lengths) != len(sizes) or sum(lengths) != len(payload):
+    payload: memoryview, shape: tuple[int, int, int, int], lengths: list[int]
+) -> np.ndarray:
+    count, _, height, width = shape
+    if len(lengths) != count or sum(lengths) != len(payload):
         raise CorruptObject("frame lengths do not match the header")
     frames, offset = [], 0
-    for size, length in zip(sizes, lengths, strict=True):
+    for length in lengths:
         try:
             with Image.open(io.BytesIO(payload[offset : offset + length])) as img:
-                if img.size != size or img.mode != "RGB":
+                if img.size != (width, height) or img.mode != "RGB":
                     raise CorruptObject("a frame does not match the header")
                 img.load()
                 frames.append(img.copy())
@@ -161,12 +191,12 @@ def _image_decode(
         except Exception:  # Pillow's OSError, SyntaxError, ValueError...
             raise CorruptObject("a frame does not decode") from None
         offset += length
-    return frames
+    return pixels_of(frames).array
 
 
 CODECS: dict[str, _Codec] = {
-    "zlib": _Codec(_zlib_encode, _zlib_decode),
-    "zstd": _Codec(_zstd_encode, _zstd_decode),
+    "zlib": _Codec(_zlib_encode, _zlib_decode, checks=True),
+    "zstd": _Codec(_zstd_encode, _zstd_decode, checks=True),
     "png": _Codec(_image_encoder("PNG", compress_level=1), _image_decode),
     "webp": _Codec(_image_encoder("WEBP", lossless=True, quality=0, method=0), _image_decode),
 }
@@ -175,21 +205,38 @@ CODECS: dict[str, _Codec] = {
 # --- the object -----------------------------------------------------------------------------
 
 
-def encode_object(media: PreparedMedia, codec: str) -> bytes:
-    """One stored object for an image or a sampled video."""
-    frames = [media] if isinstance(media, Image.Image) else list(media.frames)
-    if any(frame.mode != "RGB" for frame in frames):
-        raise ValueError("prepared media must be RGB")
-    payload, lengths = CODECS[codec].encode(frames)
+def encode_object(media: PreparedMedia, codec: str, **params: Any) -> bytes:
+    """One stored object for an image or a sampled video (ValueError: frames that are not
+    RGB or not all one size, which the store does not keep). ``params`` go to the codec's
+    encoder (zstd's ``level``)."""
+    pixels = _pixels_of(media)
+    chosen = CODECS[codec]
+    payload, lengths = chosen.encode(pixels, **params)
     header = {
         "codec": codec,
-        "sizes": [list(frame.size) for frame in frames],
+        "frames": len(pixels),
+        "size": [pixels.width, pixels.height],
         "lengths": lengths,
-        "video": None if isinstance(media, Image.Image) else _video_header(media),
+        "checked": _SELF_CHECKED if chosen.checks else "all",
+        "video": _video_header(media) if isinstance(media, DecodedVideo) else None,
     }
-    head = json.dumps(header, separators=(",", ":")).encode()
-    body = MAGIC + _LENGTH.pack(len(head)) + head + payload
-    return body + hashlib.sha256(body).digest()
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    head = MAGIC + _LENGTH.pack(len(encoded)) + encoded
+    covered = head if chosen.checks else head + payload
+    return head + payload + hashlib.sha256(covered).digest()
+
+
+def _pixels_of(media: PreparedMedia) -> Pixels:
+    if isinstance(media, Pixels):
+        return media
+    frames = media.frames if isinstance(media, DecodedVideo) else [media]
+    if isinstance(frames, Pixels):
+        return frames
+    if any(frame.mode != "RGB" for frame in frames):
+        raise ValueError("prepared media must be RGB")
+    if len({frame.size for frame in frames}) != 1:
+        raise ValueError("prepared frames must share one size")
+    return pixels_of(frames)
 
 
 def _video_header(video: DecodedVideo) -> dict[str, Any]:
@@ -201,76 +248,81 @@ def _video_header(video: DecodedVideo) -> dict[str, Any]:
     }
 
 
-def decode_object(data: bytes, max_pixels: int, max_frames: int) -> PreparedMedia:
-    """The image or video an object holds, or CorruptObject. ``max_pixels`` (per frame) and
-    ``max_frames`` bound what a header may ask to be allocated."""
-    body = _verified_body(data)
-    header, payload = _split(body)
-    sizes = _sizes(header, max_pixels, max_frames)
+def decode_object(
+    data: bytes, max_pixels: int, max_frames: int, key: str | None = None
+) -> Pixels | DecodedVideo:
+    """The image (one frame of ``Pixels``) or video an object holds, or CorruptObject.
+    ``max_pixels`` (per frame) and ``max_frames`` bound what a header may ask to be
+    allocated; ``key`` names the pixels (the store's content address)."""
+    header, payload = _split(data)
     codec = CODECS.get(str(header.get("codec")))
     if codec is None:
         raise CorruptObject("unknown codec")
+    _verify(data, len(data) - len(payload) - _DIGEST_BYTES, codec.checks, header)
+    shape = _shape(header, max_pixels, max_frames)
     lengths = header.get("lengths") or []
     if not isinstance(lengths, list) or not all(isinstance(n, int) for n in lengths):
         raise CorruptObject("bad frame lengths")
     if header.get("codec") == "zstd" and not zstd_available():
         raise CorruptObject("a zstd object needs the zstandard package")
-    frames = codec.decode(payload, sizes, lengths)
+    pixels = Pixels(codec.decode(payload, shape, lengths), key)
     video = header.get("video")
     if video is None:
-        if len(frames) != 1:
+        if len(pixels) != 1:
             raise CorruptObject("an image object holds one frame")
-        return frames[0]
-    return _video(frames, video)
+        return pixels
+    return _video(pixels, video)
 
 
-def _verified_body(data: bytes) -> bytes:
-    if len(data) < len(MAGIC) + _LENGTH.size + _DIGEST_BYTES or not data.startswith(MAGIC):
-        raise CorruptObject("not a frame store object")
-    body, digest = data[:-_DIGEST_BYTES], data[-_DIGEST_BYTES:]
-    if hashlib.sha256(body).digest() != digest:
-        raise CorruptObject("checksum mismatch")
-    return body
-
-
-def _split(body: bytes) -> tuple[dict[str, Any], bytes]:
+def _split(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    """The header, and the payload (what lies between it and the digest)."""
     start = len(MAGIC) + _LENGTH.size
-    (length,) = _LENGTH.unpack_from(body, len(MAGIC))
-    if length > _MAX_HEADER_BYTES or start + length > len(body):
+    if len(data) < start + _DIGEST_BYTES or not data.startswith(MAGIC):
+        raise CorruptObject("not a frame store object")
+    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
+    if length > _MAX_HEADER_BYTES or start + length > len(data) - _DIGEST_BYTES:
         raise CorruptObject("bad header length")
     try:
-        header = json.loads(body[start : start + length])
+        header = json.loads(data[start : start + length])
     except ValueError:
         raise CorruptObject("bad header") from None
     if not isinstance(header, dict):
         raise CorruptObject("bad header")
-    return header, body[start + length :]
+    # A view, not a copy: a clip's payload is tens of MB.
+    return header, memoryview(data)[start + length : len(data) - _DIGEST_BYTES]
 
 
-def _sizes(header: dict[str, Any], max_pixels: int, max_frames: int) -> list[tuple[int, int]]:
-    raw = header.get("sizes")
-    if not isinstance(raw, list) or not 1 <= len(raw) <= max_frames:
+def _verify(data: bytes, head_bytes: int, codec_checks: bool, header: dict[str, Any]) -> None:
+    """The digest covers the header, and the payload unless its codec checks it (the
+    header, covered, says which: a flipped ``checked`` is caught too)."""
+    self_checked = header.get("checked") == _SELF_CHECKED
+    if self_checked and not codec_checks:
+        raise CorruptObject("bad header")
+    view = memoryview(data)
+    covered = view[:head_bytes] if self_checked else view[: len(data) - _DIGEST_BYTES]
+    if hashlib.sha256(covered).digest() != data[-_DIGEST_BYTES:]:
+        raise CorruptObject("checksum mismatch")
+
+
+def _shape(header: dict[str, Any], max_pixels: int, max_frames: int) -> tuple[int, int, int, int]:
+    count, size = header.get("frames"), header.get("size")
+    if not isinstance(count, int) or not 1 <= count <= max_frames:
         raise CorruptObject("bad frame count")
-    sizes = []
-    for item in raw:
-        pair = isinstance(item, list) and len(item) == 2
-        if not pair or not all(isinstance(v, int) for v in item):
-            raise CorruptObject("bad frame size")
-        width, height = item
-        if width < 1 or height < 1 or width * height > max_pixels:
-            raise CorruptObject("bad frame size")
-        sizes.append((width, height))
-    return sizes
+    if not isinstance(size, list) or len(size) != 2 or not all(isinstance(v, int) for v in size):
+        raise CorruptObject("bad frame size")
+    width, height = size
+    if width < 1 or height < 1 or width * height > max_pixels:
+        raise CorruptObject("bad frame size")
+    return count, CHANNELS, height, width
 
 
-def _video(frames: list[Image.Image], video: Any) -> DecodedVideo:
+def _video(pixels: Pixels, video: Any) -> DecodedVideo:
     try:
         indices = [int(i) for i in video["frame_indices"]]
         fps, duration = float(video["fps"]), float(video["duration_s"])
         total = int(video["total_frames"])
     except (KeyError, TypeError, ValueError):
         raise CorruptObject("bad video metadata") from None
-    if len(indices) != len(frames):
+    if len(indices) != len(pixels):
         raise CorruptObject("bad video metadata")
-    width, height = frames[0].size
-    return DecodedVideo(frames, fps, duration, indices, total, width, height)
+    return DecodedVideo(pixels, fps, duration, indices, total, pixels.width, pixels.height)

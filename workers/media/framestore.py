@@ -58,7 +58,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Bumped whenever what a key names could change meaning (the object layout, the decode steps).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SHARED_SCOPE = "_shared"
 _DIGEST_RE = re.compile(r"^([0-9a-f]{64})\.[A-Za-z0-9]{1,10}$")
 # What decodes the pixels: a new Pillow or FFmpeg may resample differently.
@@ -197,7 +197,7 @@ class FrameStore:
     def _decoded(self, key: str, data: bytes) -> PreparedMedia | None:
         max_pixels = max(self.media.max_image_pixels, self.media.video_max_pixels_per_frame)
         try:
-            return decode_object(data, max_pixels, self.media.video_max_frames)
+            return decode_object(data, max_pixels, self.media.video_max_frames, key)
         except CorruptObject as exc:
             log.warning("frame store object %s is corrupt (%s): preparing again", key, exc)
             return None
@@ -205,7 +205,12 @@ class FrameStore:
     def put(self, key: str, media: PreparedMedia) -> bool:
         """Store prepared media; False (logged) when the store refused it or it is too large:
         the store only ever saves work, so a failed write fails nothing."""
-        data = encode_object(media, self.codec)
+        try:
+            params = {"level": self.settings.zstd_level} if self.codec == "zstd" else {}
+            data = encode_object(media, self.codec, **params)
+        except ValueError:  # frames of several sizes (a stream that changed resolution)
+            log.info("frame store object %s not written: its frames differ in size", key)
+            return False
         if len(data) > self.settings.max_object_bytes:
             return False
         try:

@@ -2,8 +2,10 @@
 
 Media (bench/realmedia.py): 1080p JPEG photos and 720p H.264 clips of 20 s (GOP 60), distinct
 per round: the still synthetic clips (~110 Mbit/s: keyframes ~400x other frames) and
-"camera" clips (panning, per-frame sensor noise, 4 Mbit/s: keyframes ~20x other frames). The GPU worker is ``vlmq worker --engine simulated`` (real media and processor
-work; ``generate`` sleeps 5 ms per micro-batch + 20 us per prompt token, visual tokens
+"camera" clips (panning, per-frame sensor noise, 4 Mbit/s: keyframes ~20x other frames).
+
+The GPU worker is ``vlmq worker --engine simulated`` (real media and processor work;
+``generate`` sleeps 5 ms per micro-batch + 20 us per prompt token, visual tokens
 included, + 4 ms per decode step: an H200-like 2-3B model; the processor's resizing and
 normalising run on the simulated device, ``--simulate-processor device``) with the ``small``
 Qwen2.5-VL checkpoint given Qwen2.5-VL-3B's real processor configs (a 1080p photo is ~2,700 visual

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.support.samples import make_image
 from vlmq.workers.engine.processors import _pixels_key
@@ -87,3 +88,36 @@ def test_a_conversation_hands_pixels_to_the_processor_as_tensors() -> None:
     assert conversation[0]["content"][0]["image"] is image  # the prepared request is unchanged
     plain: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "image", "image": pil}]}]
     assert processor_media(plain) is plain
+
+
+class _TemplateOnly:
+    """A processor as vLLM's prompt builder uses it: the chat template as text."""
+
+    def apply_chat_template(self, conversation: Any, **_: Any) -> str:
+        return "prompt"
+
+
+def test_vllm_gets_pillow_images_and_channel_last_frames_from_pixels() -> None:
+    from vlmq.config.schemas import Request
+    from vlmq.workers.engine.prepare import Prepared
+    from vlmq.workers.engine.vllm_engine import _prompt
+
+    images = [make_image((40, 30), seed=n) for n in range(3)]
+    photo, frames = pixels_of(images[:1], key="p"), pixels_of(images, key="v")
+    request = Request.model_validate({"messages": [{"role": "user", "content": ["Hi"]}]})
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": photo},
+                {"type": "video", "video": frames, "metadata": {"fps": 2.0}},
+            ],
+        }
+    ]
+    prompt = _prompt(Prepared(request, 8, conversation), _TemplateOnly())
+    [image] = prompt["multi_modal_data"]["image"]
+    assert image.tobytes() == images[0].tobytes()
+    [(video, meta)] = prompt["multi_modal_data"]["video"]
+    assert video.shape == (3, 30, 40, 3)
+    assert [Image.fromarray(f).tobytes() for f in video] == [i.tobytes() for i in images]
+    assert meta["do_sample_frames"] is False

@@ -33,13 +33,12 @@ from vlmq.workers.media import (
     ImageDecoder,
     MediaLoader,
     Pixels,
+    frames_bytes,
     image_bytes,
 )
 from vlmq.workers.media.device import device_image_decoder
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from vlmq.workers.engine.constraints import GrammarBook
 
 __all__ = ["Prepared", "Preparer", "visual_downscale"]
@@ -372,13 +371,6 @@ class Preparer:
         )
 
 
-def _frames_bytes(frames: list[Image.Image] | Pixels) -> int:
-    """What a video part's frames hold, in bytes."""
-    if isinstance(frames, Pixels):
-        return frames.nbytes
-    return sum(image_bytes(frame) for frame in frames)
-
-
 def _media_bytes(conversation: list[dict[str, Any]]) -> int:
     total = 0
     for message in conversation:
@@ -386,5 +378,5 @@ def _media_bytes(conversation: list[dict[str, Any]]) -> int:
             if part["type"] == "image":
                 total += image_bytes(part["image"])
             elif part["type"] == "video":
-                total += _frames_bytes(part["video"])
+                total += frames_bytes(part["video"])
     return total

@@ -58,6 +58,7 @@ __all__ = [
     "Pixels",
     "decode_image",
     "decode_video",
+    "frames_bytes",
     "image_bytes",
     "video_bytes",
 ]
@@ -85,10 +86,15 @@ def image_bytes(image: Image.Image | Pixels) -> int:
     return image.width * image.height * len(image.getbands())
 
 
+def frames_bytes(frames: list[Image.Image] | Pixels) -> int:
+    """What a video's frames hold, in bytes."""
+    if isinstance(frames, Pixels):
+        return frames.nbytes
+    return sum(image_bytes(frame) for frame in frames)
+
+
 def video_bytes(video: DecodedVideo) -> int:
-    if isinstance(video.frames, Pixels):
-        return video.frames.nbytes
-    return sum(image_bytes(frame) for frame in video.frames)
+    return frames_bytes(video.frames)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import bisect
 import io
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
@@ -223,16 +224,17 @@ def _decode_video(
         stream = _video_stream(container)
         _check_header_resolution(stream, settings)
         probe = _probe(container, stream) or _probe_by_demuxing(data, settings)
-    _check_duration(probe, settings)
-    times = plan_sample_times(
-        probe.duration_s, probe.fps, probe.total_frames, plan.fps, plan.max_frames
-    )
-    budget = _DecodeBudget(settings.video_max_decoded_frames)
-    picked = None
-    if plan.mode == "keyframes":
-        picked = _sample_keyframes(data, settings, probe, times, budget, downscale)
-    if picked is None:  # exact, or no keyframe could be located: the exact sampler
-        picked = _even_count(_sample(data, settings, probe, times, budget, downscale))
+        _check_duration(probe, settings)
+        times = plan_sample_times(
+            probe.duration_s, probe.fps, probe.total_frames, plan.fps, plan.max_frames
+        )
+        budget = _DecodeBudget(settings.video_max_decoded_frames)
+        containers = _Containers(data, settings, container)
+        picked = None
+        if plan.mode == "keyframes":
+            picked = _sample_keyframes(containers, settings, probe, times, budget, downscale)
+        if picked is None:  # exact, or no keyframe could be located: the exact sampler
+            picked = _even_count(_sample(containers, settings, probe, times, budget, downscale))
     if not picked:
         raise MediaDecodeFailed("video has no decodable frames")
     width, height = picked[0].image.size
@@ -464,8 +466,29 @@ class _StreamContext:
         return _Decoded(frame, seconds, index)
 
 
+class _Containers:
+    """Containers over one clip for its samplers: the probe's own for the first that asks,
+    a new one for any after (a fallback starts over). Opening one runs FFmpeg's stream
+    probe, which decodes a frame: ~25 ms for a keyframe of a 4 Mbit/s 720p clip, ~70 ms at
+    110 Mbit/s, a tenth of keyframe sampling's cost (bench/README.md)."""
+
+    def __init__(self, data: bytes, settings: MediaSettings, first: Any) -> None:
+        self.data = data
+        self.settings = settings
+        self._first = first
+
+    @contextmanager
+    def open(self) -> Iterator[Any]:
+        first, self._first = self._first, None
+        if first is not None:
+            yield first  # closed by whoever opened it
+            return
+        with open_video_container(io.BytesIO(self.data), self.settings) as container:
+            yield container
+
+
 def _sample(
-    data: bytes,
+    containers: _Containers,
     settings: MediaSettings,
     probe: _Probe,
     times: list[float],
@@ -474,14 +497,14 @@ def _sample(
 ) -> list[_Picked]:
     if probe.indexed and settings.video_seek:
         try:
-            return _sample_frames(data, settings, probe, times, budget, False, downscale)
+            return _sample_frames(containers, settings, probe, times, budget, False, downscale)
         except _SeekUnusable:
             pass  # fall back to decoding in order, still within the same budget
-    return _sample_frames(data, settings, probe, times, budget, True, downscale)
+    return _sample_frames(containers, settings, probe, times, budget, True, downscale)
 
 
 def _sample_frames(
-    data: bytes,
+    containers: _Containers,
     settings: MediaSettings,
     probe: _Probe,
     times: list[float],
@@ -494,7 +517,7 @@ def _sample_frames(
     of samples and the GOP, not the length. Sequential mode (containers without
     usable metadata or seeking) decodes in order and stops after the last sample."""
     picked: list[_Picked] = []
-    with open_video_container(io.BytesIO(data), settings) as container:
+    with containers.open() as container:
         stream = _video_stream(container, settings.video_thread_type)
         ctx = _StreamContext(stream, settings, probe, budget, sequential)
         cursor = _FrameCursor(ctx)
@@ -514,7 +537,7 @@ def _sample_frames(
 
 
 def _sample_keyframes(
-    data: bytes,
+    containers: _Containers,
     settings: MediaSettings,
     probe: _Probe,
     times: list[float],
@@ -527,7 +550,7 @@ def _sample_keyframes(
     GOP. Samples that share a nearest keyframe share its frame (and its index: the metadata
     tells the processor where each frame really is). None when the stream has no keyframe
     with a timestamp or will not seek to one: the exact sampler is used instead."""
-    with open_video_container(io.BytesIO(data), settings) as container:
+    with containers.open() as container:
         stream = _video_stream(container, settings.video_thread_type)
         ctx = _StreamContext(stream, settings, probe, budget, sequential=False)
         keyframes = _keyframe_times(container, stream, ctx, times[-1])

@@ -108,6 +108,10 @@ class Pixels:
 
 
 def pixels_of(frames: Sequence[Image.Image], key: str | None = None) -> Pixels:
-    """Pillow frames (RGB, one size) as ``Pixels`` (a copy: the prepare side's cost)."""
-    stacked = np.stack([np.asarray(frame) for frame in frames])
-    return Pixels(np.ascontiguousarray(stacked.transpose(0, 3, 1, 2)), key)
+    """Pillow frames (RGB, one size) as ``Pixels``: one copy of each frame, transposed on
+    the way (the prepare side's cost)."""
+    width, height = frames[0].size
+    out = np.empty((len(frames), CHANNELS, height, width), dtype=np.uint8)
+    for index, frame in enumerate(frames):
+        out[index] = np.asarray(frame).transpose(2, 0, 1)
+    return Pixels(out, key)

@@ -23,6 +23,8 @@ Side by side in each round, per workload (96 distinct photos, 6 batches; 32 dist
   per item, hence items/s per core and the prepare cores one such accelerator needs.
 * **keyframes**: the same clips prepared with ``video_sampling: keyframes``.
 * **camera clips**: exact and keyframe sampling of filmed-like clips, for the prepare cores.
+* **small images**: 96 56x56 PNGs: media that cost nothing, so the GPU worker's CPU per
+  request is the fleet's own work (Redis, status, the result object).
 * **second job**: 100 distinct 2 s 720p clips through the prepare tier, then a second job on
   the same 100 clips: decodes fleet-wide (the prepare workers'
   ``vlmq_media_loads_total{source="decoded"}`` + the GPU worker's ``media_decodes``).
@@ -57,11 +59,11 @@ from bench.pipeline import (
     services,
     start_worker,
 )
-from bench.realmedia import clips, photos
+from bench.realmedia import clips, photos, small_images
 
 MARKER = "prepare-tier"
 PREPARE_WORKERS = 2
-WORKLOADS = ("photos", "clips", "camera clips", "hundred")
+WORKLOADS = ("photos", "clips", "camera clips", "small images", "hundred")
 PHOTOS, CLIPS, CAMERA_CLIPS = 96, 32, 8
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -134,10 +136,12 @@ def _workloads(round_: int) -> dict[str, list[dict[str, Any]]]:
     photo = photos(PHOTOS, start=1000 + PHOTOS * round_)
     clip = clips(CLIPS, start=1000 + CLIPS * round_)
     camera = clips(CAMERA_CLIPS, start=1000 + CAMERA_CLIPS * round_, camera=True)
+    small = small_images(PHOTOS, start=1000 + PHOTOS * round_)
     return {
         "photos": [_item("image", p, "What is in the picture?", n) for n, p in enumerate(photo)],
         "clips": [_item("video", c, "What happens?", n) for n, c in enumerate(clip)],
         "camera clips": [_item("video", c, "What happens?", n) for n, c in enumerate(camera)],
+        "small images": [_item("image", p, "What is it?", n) for n, p in enumerate(small)],
     }
 
 
@@ -337,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),
-        help="which of photos, clips, camera clips, hundred (the second job on 100 clips)",
+        help="which of photos, clips, camera clips, small images, hundred (the second job "
+        "on 100 clips)",
     )
     parser.add_argument(
         "--write", default=str(ROOT / "bench" / "README.md"), help="README to update ('' to skip)"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.support.samples import make_image, make_video_bytes
 
-__all__ = ["CAMERA_BITRATE", "MEDIA_DIR", "clips", "photos"]
+__all__ = ["CAMERA_BITRATE", "MEDIA_DIR", "clips", "photos", "small_images"]
 
 MEDIA_DIR = Path(__file__).resolve().parents[1] / ".vlmq" / "bench-media"
 # 720p30 as streamed and uploaded (YouTube recommends 5 Mbit/s for 720p30 uploads).
@@ -28,6 +28,19 @@ def photos(count: int, start: int = 0, folder: Path = MEDIA_DIR) -> list[Path]:
         path = folder / f"photo-1080p-{seed}.jpg"
         if not path.exists():
             make_image((1920, 1080), seed=seed).save(path, format="JPEG", quality=90)
+        paths.append(path)
+    return paths
+
+
+def small_images(count: int, start: int = 0, folder: Path = MEDIA_DIR) -> list[Path]:
+    """``count`` 56x56 PNGs (4 visual tokens on Qwen): requests whose media cost nothing, so
+    what a worker spends on them is the fleet's own work per request."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for seed in range(start, start + count):
+        path = folder / f"small-56-{seed}.png"
+        if not path.exists():
+            make_image((56, 56), seed=seed).save(path, format="PNG")
         paths.append(path)
     return paths
 

@@ -208,8 +208,8 @@ class FrameStore:
         try:
             params = {"level": self.settings.zstd_level} if self.codec == "zstd" else {}
             data = encode_object(media, self.codec, **params)
-        except ValueError:  # frames of several sizes (a stream that changed resolution)
-            log.info("frame store object %s not written: its frames differ in size", key)
+        except ValueError as exc:  # not RGB, or frames of several sizes (a resolution change)
+            log.info("frame store object %s not written: %s", key, exc)
             return False
         if len(data) > self.settings.max_object_bytes:
             return False

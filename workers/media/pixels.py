@@ -33,8 +33,9 @@ KEY_ATTRIBUTE = "vlmq_pixels_key"
 
 @dataclass(frozen=True, eq=False)
 class Pixels:
-    """``array``: uint8, ``(frames, 3, height, width)``, C-contiguous, never written to;
-    ``key``: what names exactly these pixels (None: nothing does)."""
+    """``array``: uint8, ``(frames, 3, height, width)``, C-contiguous, not written to once
+    made (a cached item is shared); ``key``: what names exactly these pixels (None: nothing
+    does)."""
 
     array: np.ndarray
     key: str | None = None
@@ -99,8 +100,8 @@ class Pixels:
 
         array = self.array[0] if single else self.array
         with warnings.catch_warnings():
-            # The store's bytes are read-only and stay so: nothing writes to a processor's
-            # input (a writable copy would cost what this avoids).
+            # An array over a bytes object (zlib's read-back) is read-only; the processors
+            # never write to their input, so no writable copy is made for torch's sake.
             warnings.filterwarnings("ignore", message=".*not writable.*")
             tensor = torch.from_numpy(array)
         setattr(tensor, KEY_ATTRIBUTE, self.key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,20 @@ RERUN_TIERS = ("e2e", "faults")
 TEST_BUDGET_S = 60.0
 # Databases of the shared Redis: one per test that uses it (a run has ~400 such tests).
 SHARED_DATABASES = 4096
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _interruptible_children()
+
+
+def _interruptible_children() -> None:
+    """Tests interrupt the CLI with SIGINT and expect it to stop. A run started in the
+    background by a shell without job control (``make test &``, nohup) has SIGINT ignored,
+    every child inherits that across exec, and an interrupted ``vlmq submit`` would go on. A
+    Python handler is reset to the default across exec, so children start interruptible;
+    this process gets what Python would have installed itself."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

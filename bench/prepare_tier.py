@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,18 +131,33 @@ def bench_model(workdir: Path) -> Path:
     return out
 
 
-def _workloads(round_: int) -> dict[str, list[dict[str, Any]]]:
+def _workloads(round_: int, wanted: tuple[str, ...] = WORKLOADS) -> dict[str, list[dict[str, Any]]]:
     """Per round, distinct media: several batches each (``BATCH``: 16 photos, 8 clips), so
-    the busy fraction is the pipeline's, not the first batch's start-up."""
-    photo = photos(PHOTOS, start=1000 + PHOTOS * round_)
-    clip = clips(CLIPS, start=1000 + CLIPS * round_)
-    camera = clips(CAMERA_CLIPS, start=1000 + CAMERA_CLIPS * round_, camera=True)
-    small = small_images(PHOTOS, start=1000 + PHOTOS * round_)
+    the busy fraction is the pipeline's, not the first batch's start-up. Only the ``wanted``
+    workloads' media are made (a round's clips take minutes the first time)."""
+    first = 1000
+    media: dict[str, tuple[str, str, Callable[[], list[Path]]]] = {
+        "photos": (
+            "image",
+            "What is in the picture?",
+            lambda: photos(PHOTOS, start=first + PHOTOS * round_),
+        ),
+        "clips": ("video", "What happens?", lambda: clips(CLIPS, start=first + CLIPS * round_)),
+        "camera clips": (
+            "video",
+            "What happens?",
+            lambda: clips(CAMERA_CLIPS, start=first + CAMERA_CLIPS * round_, camera=True),
+        ),
+        "small images": (
+            "image",
+            "What is it?",
+            lambda: small_images(PHOTOS, start=first + PHOTOS * round_),
+        ),
+    }
     return {
-        "photos": [_item("image", p, "What is in the picture?", n) for n, p in enumerate(photo)],
-        "clips": [_item("video", c, "What happens?", n) for n, c in enumerate(clip)],
-        "camera clips": [_item("video", c, "What happens?", n) for n, c in enumerate(camera)],
-        "small images": [_item("image", p, "What is it?", n) for n, p in enumerate(small)],
+        name: [_item(kind, path, prompt, n) for n, path in enumerate(make())]
+        for name, (kind, prompt, make) in media.items()
+        if name in wanted
     }
 
 
@@ -266,9 +282,7 @@ def measure(
     run_prepared(bench, fed, preparers, ports, warm)
     for round_ in range(report.repeats):
         _progress(f"round {round_ + 1}/{report.repeats}")
-        for name, items in _workloads(round_).items():
-            if name not in workloads:
-                continue
+        for name, items in _workloads(round_, workloads).items():
             report.add(name, "self", run_self(bench, own, items))
             report.add(name, "prepared", run_prepared(bench, fed, preparers, ports, items))
             if name in ("clips", "camera clips"):
@@ -348,13 +362,15 @@ def main(argv: list[str] | None = None) -> None:
         "--write", default=str(ROOT / "bench" / "README.md"), help="README to update ('' to skip)"
     )
     args = parser.parse_args(argv)
+    workloads = tuple(args.workloads.split(","))
     model = bench_model(ROOT / ".vlmq" / "bench")
     for round_ in range(args.repeats):  # generate (once) and cache every round's media
-        _workloads(round_)
-    _hundred()
+        _workloads(round_, workloads)
+    if "hundred" in workloads:
+        _hundred()
     report = Report(args.repeats)
     with services() as bench:
-        measure(bench, model, report, tuple(args.workloads.split(",")))
+        measure(bench, model, report, workloads)
     command = "python -m bench.prepare_tier" + (
         f" {' '.join(argv or sys.argv[1:])}" if (argv or sys.argv[1:]) else ""
     )

@@ -83,6 +83,13 @@ class FrameStoreSettings(BaseModel):
         ge=1024,
         description="A stored object larger than this is neither written nor read.",
     )
+    read_buffer_bytes: int = Field(
+        1024 * MiB,
+        ge=0,
+        description="Freed memory a worker keeps to read objects back into (the object and "
+        "its frames): fresh memory costs page faults, ~7 ms of CPU per 1080p photo measured "
+        "against ~1 ms into memory used before. 0: always fresh memory.",
+    )
 
 
 class MediaSettings(BaseModel):

@@ -281,3 +281,68 @@ def test_the_heartbeat_record_carries_the_engine_and_cache_counters_as_json() ->
     assert record["cache"]["hits"] == 2 and record["cache"]["misses"] == 1
     assert "batch_sizes" not in record
     assert _engine_stats(None) == {}  # an engine that keeps no counters (vLLM)
+
+
+@pytest.mark.parametrize("tensors", ["pt", "np", None])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_run_length_padding_matches_the_tokenizers_on_either_side(
+    family_dir: Path, side: str, tensors: str | None
+) -> None:
+    """Padded in NumPy (tensors asked) or by the tokenizer's own ``pad`` (lists), a batch of
+    uneven prompts comes out as the tokenizer gives it; one text alone is the tokenizer's."""
+    plain = load_processor(str(family_dir), EngineSettings()).tokenizer
+    tokens = _placeholders_of(plain)
+    wrapped = RunLengthTokenizer(plain, tokens)
+    texts = [f"a {tokens[0] * 9} b", f"longer text {tokens[0] * 3} then {tokens[0] * 2} c"]
+    options = {"padding": True, "padding_side": side, "return_tensors": tensors}
+    expected, got = plain(texts, **options), wrapped(texts, **options)
+    assert wrapped.served == 1 and set(got) == set(expected)
+    for name in expected:
+        assert _as_list(got[name]) == _as_list(expected[name]), name
+    alone = wrapped(texts[1], return_tensors=tensors)["input_ids"]
+    assert _as_list(alone) == _as_list(plain(texts[1], return_tensors=tensors)["input_ids"])
+    assert wrapped.served == 1
+
+
+def _placeholders_of(tokenizer: Any) -> list[str]:
+    added = tokenizer.get_added_vocab()
+    return [t for t in ("<|image_pad|>", "<IMG_CONTEXT>", "<|video_pad|>") if t in added]
+
+
+def _as_list(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def test_a_length_estimate_is_counted_once_per_prompt_and_image_size(
+    family_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The estimate remembers, per processor, a prompt's rendered length and an image size's
+    visual tokens: the same answers, without the processor's work on a repeat."""
+    from vlmq.workers.engine.estimate import estimate_prompt_tokens
+
+    processor = load_processor(str(family_dir), EngineSettings())
+    family = family_dir.name.split("-")[0]
+    fresh = load_processor(str(family_dir), EngineSettings())
+
+    def user(text: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+    calls: list[str] = []
+    original = processor.apply_chat_template
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append("render")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "apply_chat_template", counting)
+    first = estimate_prompt_tokens(processor, family, user("What is it?"), [(56, 84)], [])
+    again = estimate_prompt_tokens(processor, family, user("What is it?"), [(56, 84)], [])
+    longer = estimate_prompt_tokens(
+        processor, family, user("What is it, in detail?"), [(56, 84)], []
+    )
+    bigger = estimate_prompt_tokens(processor, family, user("What is it?"), [(112, 84)], [])
+    assert first == again and calls == ["render", "render"]
+    assert longer > first
+    # Another processor counts for itself, and agrees, size by size.
+    assert estimate_prompt_tokens(fresh, family, user("What is it?"), [(56, 84)], []) == first
+    assert estimate_prompt_tokens(fresh, family, user("What is it?"), [(112, 84)], []) == bigger

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import struct
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ __all__ = [
 # What the store keeps and gives back: an image (written from Pillow, read back as one
 # frame of ``Pixels``) or a sampled video (its frames as ``Pixels`` once read back).
 PreparedMedia = Image.Image | Pixels | DecodedVideo
+Shape = tuple[int, int, int, int]
+Allocate = Callable[[Shape], np.ndarray]  # an uninitialised uint8 array of that shape
 
 MAGIC = b"VLMQFRM2"
 _LENGTH = struct.Struct(">I")
@@ -69,21 +72,23 @@ class CorruptObject(Exception):
 @dataclass(frozen=True)
 class _Codec:
     """``encode(pixels) -> (payload, per-frame lengths or [])``;
-    ``decode(payload, shape, lengths) -> planar uint8 array of that shape``. ``checks``:
-    decoding verifies the payload itself (a flipped byte cannot read back as pixels)."""
+    ``decode(payload, shape, lengths, allocate) -> planar uint8 array of that shape``
+    (``allocate(shape)``: where a codec that decompresses into memory puts the frames).
+    ``checks``: decoding verifies the payload itself (a flipped byte cannot read back as
+    pixels)."""
 
     encode: Callable[..., tuple[bytes, list[int]]]
-    decode: Callable[[memoryview, tuple[int, int, int, int], list[int]], np.ndarray]
+    decode: Callable[[memoryview, Shape, list[int], Allocate], np.ndarray]
     checks: bool = False
 
 
-def _planar(raw: bytes, shape: tuple[int, int, int, int]) -> np.ndarray:
+def _planar(raw: bytes, shape: Shape) -> np.ndarray:
     if len(raw) != _raw_bytes(shape):
         raise CorruptObject("frame bytes do not match the header")
     return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
-def _raw_bytes(shape: tuple[int, int, int, int]) -> int:
+def _raw_bytes(shape: Shape) -> int:
     frames, channels, height, width = shape
     return frames * channels * height * width
 
@@ -92,7 +97,7 @@ def _zlib_encode(pixels: Pixels, level: int = 1) -> tuple[bytes, list[int]]:
     return zlib.compress(pixels.array.tobytes(), level), []
 
 
-def _zlib_decode(payload: memoryview, shape: tuple[int, int, int, int], _: list[int]) -> np.ndarray:
+def _zlib_decode(payload: memoryview, shape: Shape, _: list[int], __: Allocate) -> np.ndarray:
     expected = _raw_bytes(shape)
     inflater = zlib.decompressobj()
     try:
@@ -129,7 +134,7 @@ def _zstd_encode(pixels: Pixels, level: int = -1) -> tuple[bytes, list[int]]:
     return compressor.compress(pixels.array.reshape(-1).data), []  # the array itself: no copy
 
 
-def _zstd_decode(payload: memoryview, shape: tuple[int, int, int, int], _: list[int]) -> np.ndarray:
+def _zstd_decode(payload: memoryview, shape: Shape, _: list[int], allocate: Allocate) -> np.ndarray:
     import zstandard
 
     expected = _raw_bytes(shape)
@@ -139,13 +144,12 @@ def _zstd_decode(payload: memoryview, shape: tuple[int, int, int, int], _: list[
         raise CorruptObject("frames do not decompress") from None
     if not params.has_checksum or params.content_size != expected:
         raise CorruptObject("frame bytes do not match the header")
-    # Straight into a NumPy array: NumPy asks the kernel for huge pages for large arrays,
-    # where a bytes object of a clip's ~29 MB costs ~7,000 page faults (measured: 8.5 ms
-    # against 21 ms per clip, 3 ms against 5 ms per photo, bench/README.md).
-    out = np.empty(shape, dtype=np.uint8)
+    # Straight into an array (a GPU worker's come from its BufferPool: memory already
+    # faulted in), never through a bytes object.
+    out = allocate(shape)
     view = out.reshape(-1).data
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(payload, read_size=_READ_SIZE)
+        reader = _decompressor().stream_reader(payload, read_size=_READ_SIZE)
         filled = 0
         while filled < expected:
             count = reader.readinto(view[filled:])
@@ -158,6 +162,21 @@ def _zstd_decode(payload: memoryview, shape: tuple[int, int, int, int], _: list[
     except zstandard.ZstdError:
         raise CorruptObject("frames do not decompress") from None
     return out
+
+
+_THREAD = threading.local()
+
+
+def _decompressor() -> Any:
+    """This thread's zstd decompressor, kept: a new one allocates its context and a window
+    buffer of several MB for each object, and that fresh memory's page faults cost a GPU
+    worker ~3 ms of CPU per photo (measured). One decompressor serves one read at a time."""
+    import zstandard
+
+    decompressor = getattr(_THREAD, "zstd", None)
+    if decompressor is None:
+        decompressor = _THREAD.zstd = zstandard.ZstdDecompressor()
+    return decompressor
 
 
 def _image_encoder(format: str, **params: Any) -> Callable[[Pixels], tuple[bytes, list[int]]]:
@@ -173,7 +192,7 @@ def _image_encoder(format: str, **params: Any) -> Callable[[Pixels], tuple[bytes
 
 
 def _image_decode(
-    payload: memoryview, shape: tuple[int, int, int, int], lengths: list[int]
+    payload: memoryview, shape: Shape, lengths: list[int], __: Allocate
 ) -> np.ndarray:
     count, _, height, width = shape
     if len(lengths) != count or sum(lengths) != len(payload):
@@ -251,11 +270,16 @@ def _video_header(video: DecodedVideo) -> dict[str, Any]:
 
 
 def decode_object(
-    data: bytes, max_pixels: int, max_frames: int, key: str | None = None
+    data: bytes | memoryview,
+    max_pixels: int,
+    max_frames: int,
+    key: str | None = None,
+    allocate: Allocate | None = None,
 ) -> Pixels | DecodedVideo:
     """The image (one frame of ``Pixels``) or video an object holds, or CorruptObject.
     ``max_pixels`` (per frame) and ``max_frames`` bound what a header may ask to be
-    allocated; ``key`` names the pixels (the store's content address)."""
+    allocated; ``key`` names the pixels (the store's content address); ``allocate`` gives
+    the memory the frames are decompressed into (default: a new array)."""
     header, payload = _split(data)
     codec = CODECS.get(str(header.get("codec")))
     if codec is None:
@@ -267,7 +291,7 @@ def decode_object(
         raise CorruptObject("bad frame lengths")
     if header.get("codec") == "zstd" and not zstd_available():
         raise CorruptObject("a zstd object needs the zstandard package")
-    pixels = Pixels(codec.decode(payload, shape, lengths), key)
+    pixels = Pixels(codec.decode(payload, shape, lengths, allocate or _new_array), key)
     video = header.get("video")
     if video is None:
         if len(pixels) != 1:
@@ -276,16 +300,20 @@ def decode_object(
     return _video(pixels, video)
 
 
-def _split(data: bytes) -> tuple[dict[str, Any], memoryview]:
+def _new_array(shape: Shape) -> np.ndarray:
+    return np.empty(shape, dtype=np.uint8)
+
+
+def _split(data: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
     """The header, and the payload (what lies between it and the digest)."""
     start = len(MAGIC) + _LENGTH.size
-    if len(data) < start + _DIGEST_BYTES or not data.startswith(MAGIC):
+    if len(data) < start + _DIGEST_BYTES or bytes(data[: len(MAGIC)]) != MAGIC:
         raise CorruptObject("not a frame store object")
     (length,) = _LENGTH.unpack_from(data, len(MAGIC))
     if length > _MAX_HEADER_BYTES or start + length > len(data) - _DIGEST_BYTES:
         raise CorruptObject("bad header length")
     try:
-        header = json.loads(data[start : start + length])
+        header = json.loads(bytes(data[start : start + length]))
     except ValueError:
         raise CorruptObject("bad header") from None
     if not isinstance(header, dict):
@@ -294,7 +322,9 @@ def _split(data: bytes) -> tuple[dict[str, Any], memoryview]:
     return header, memoryview(data)[start + length : len(data) - _DIGEST_BYTES]
 
 
-def _verify(data: bytes, head_bytes: int, codec_checks: bool, header: dict[str, Any]) -> None:
+def _verify(
+    data: bytes | memoryview, head_bytes: int, codec_checks: bool, header: dict[str, Any]
+) -> None:
     """The digest covers the header, and the payload unless its codec checks it (the
     header, covered, says which: a flipped ``checked`` is caught too)."""
     self_checked = header.get("checked") == _SELF_CHECKED
@@ -302,11 +332,11 @@ def _verify(data: bytes, head_bytes: int, codec_checks: bool, header: dict[str, 
         raise CorruptObject("bad header")
     view = memoryview(data)
     covered = view[:head_bytes] if self_checked else view[: len(data) - _DIGEST_BYTES]
-    if hashlib.sha256(covered).digest() != data[-_DIGEST_BYTES:]:
+    if hashlib.sha256(covered).digest() != bytes(view[-_DIGEST_BYTES:]):
         raise CorruptObject("checksum mismatch")
 
 
-def _shape(header: dict[str, Any], max_pixels: int, max_frames: int) -> tuple[int, int, int, int]:
+def _shape(header: dict[str, Any], max_pixels: int, max_frames: int) -> Shape:
     count, size = header.get("frames"), header.get("size")
     if not isinstance(count, int) or not 1 <= count <= max_frames:
         raise CorruptObject("bad frame count")

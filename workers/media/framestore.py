@@ -11,7 +11,9 @@ and decoding the source again.
   may change pixels) and the format version, hashed; under the tenant's folder, or a shared
   one when ``share_across_tenants`` is on.
 * **Objects** (``framecodec``): lossless, checksummed; a corrupt or unreadable one reads as a
-  miss (logged), so the caller decodes again and its ``put`` replaces the bad object.
+  miss (logged), so the caller decodes again and its ``put`` replaces the bad object. An
+  object is read back, and its frames decompressed, into reused memory (``BufferPool``,
+  ``read_buffer_bytes``).
 * **Lifecycle**: objects are immutable and never needed (a missing one is a miss), so any
   expiry rule is safe: on S3 a lifecycle rule on the prefix (e.g. 7 days, as task status);
   on ``file://`` delete the folder's old files at will.
@@ -36,6 +38,7 @@ from vlmq.config.errors import ConfigError, StoreUnavailable
 from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.config.staging import DIGEST_FOLDER, file_url_folder
+from vlmq.workers.media.buffers import BufferPool
 from vlmq.workers.media.decode import Downscale, Sampling
 from vlmq.workers.media.framecodec import (
     CorruptObject,
@@ -63,6 +66,10 @@ SHARED_SCOPE = "_shared"
 _DIGEST_RE = re.compile(r"^([0-9a-f]{64})\.[A-Za-z0-9]{1,10}$")
 # What decodes the pixels: a new Pillow or FFmpeg may resample differently.
 DECODERS = f"pillow-{PIL.__version__}+av-{av.__version__}"
+
+
+class _TooLarge(Exception):
+    """An object larger than ``max_object_bytes`` turned up between its HEAD and its read."""
 
 
 # --- content ids ----------------------------------------------------------------------------
@@ -139,6 +146,7 @@ class FrameStore:
         self.store = store
         self.settings = settings
         self.media = media
+        self.buffers = BufferPool(settings.read_buffer_bytes)
 
     def key_for(
         self,
@@ -186,7 +194,10 @@ class FrameStore:
             if size > self.settings.max_object_bytes:
                 log.warning("frame store object %s is too large (%d bytes): ignored", key, size)
                 return None
-            data = self.store.get_blob(key)
+            data = self.store.get_blob_into(key, self._object_buffer)
+        except _TooLarge:
+            log.warning("frame store object %s grew past max_object_bytes: ignored", key)
+            return None
         except (StoreUnavailable, ConfigError, OSError):
             log.warning("frame store object %s could not be read: preparing again", key)
             return None
@@ -194,10 +205,16 @@ class FrameStore:
             return None
         return self._decoded(key, data)
 
-    def _decoded(self, key: str, data: bytes) -> PreparedMedia | None:
+    def _object_buffer(self, size: int) -> Any:
+        if size > self.settings.max_object_bytes:
+            raise _TooLarge
+        return self.buffers.array((size,))
+
+    def _decoded(self, key: str, data: bytes | memoryview) -> PreparedMedia | None:
         max_pixels = max(self.media.max_image_pixels, self.media.video_max_pixels_per_frame)
+        frames = self.buffers.array
         try:
-            return decode_object(data, max_pixels, self.media.video_max_frames, key)
+            return decode_object(data, max_pixels, self.media.video_max_frames, key, frames)
         except CorruptObject as exc:
             log.warning("frame store object %s is corrupt (%s): preparing again", key, exc)
             return None

@@ -13,7 +13,8 @@ tokens, 16 frames of a 720p clip ~5,800, as on the real model; the weights do no
 ``generate`` is simulated), 16 new tokens per request.
 
 Side by side in each round, per workload (96 distinct photos, 6 batches; 32 distinct clips,
-4 batches; 8 distinct camera clips):
+4 batches; 8 distinct camera clips), after 32 other photos through every worker (a warm-up:
+a process's first batches fill its pools of memory once):
 
 * **self**: the GPU worker prepares its own media (no prepare tier, no frame store).
 * **prepared**: two ``vlmq worker --role prepare`` processes prepare the job first (the GPU
@@ -277,7 +278,10 @@ def measure(
     bench: Services, model: Path, report: Report, workloads: tuple[str, ...] = WORKLOADS
 ) -> None:
     own, fed, preparers, ports = _start_fleet(bench, model)
-    warm = [_item("image", photos(1, start=20_000)[0], "Warm up.", n) for n in range(2)]
+    # Two batches of distinct photos first: what a worker spends per request over a job, not
+    # its first batches' (fresh memory for the frame store's read buffers, torch's first
+    # allocations: a pool of buffers ~6 MB each fills once per process).
+    warm = [_item("image", path, "Warm up.", n) for n, path in enumerate(photos(32, start=20_000))]
     run_self(bench, own, warm)
     run_prepared(bench, fed, preparers, ports, warm)
     for round_ in range(report.repeats):

@@ -15,6 +15,7 @@ from tests.support.samples import make_image, make_video_bytes, save_image, save
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.engine import Engine
+from vlmq.workers.engine.mmcounts import count_placeholders_in_numpy
 from vlmq.workers.engine.model import load_processor
 from vlmq.workers.engine.placeholders import RunLengthTokenizer
 from vlmq.workers.engine.prepare import video_content, visual_downscale
@@ -114,6 +115,7 @@ def test_run_length_tokenizing_gives_the_plain_tokenizers_ids(
     assert isinstance(wrapped.tokenizer, RunLengthTokenizer)
     got = _collate(wrapped, [full, image_only])
     assert wrapped.tokenizer.served == 1  # the run-length path answered, no fallback
+    assert wrapped._check_special_mm_tokens.__self__.served == 1  # counted in NumPy
     assert set(got) == set(expected)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
@@ -121,6 +123,49 @@ def test_run_length_tokenizing_gives_the_plain_tokenizers_ids(
     alone = wrapped.apply_chat_template(text_only, tokenize=True, add_generation_prompt=True)
     assert alone == plain.apply_chat_template(text_only, tokenize=True, add_generation_prompt=True)
     assert wrapped.tokenizer.served == 1
+
+
+def _counted_in_numpy(family_dir: Path) -> tuple[Any, Any, str]:
+    processor = load_processor(str(family_dir), EngineSettings())
+    library = load_processor(str(family_dir), EngineSettings())
+    count_placeholders_in_numpy(processor)
+    return processor, library, processor.image_token
+
+
+def test_placeholder_counts_in_numpy_give_the_librarys_answers(family_dir: Path) -> None:
+    """On a padded batch (left and right) the type ids are the library's and its count
+    check passes without it; a list of lists is the library's own work."""
+    processor, library, token = _counted_in_numpy(family_dir)
+    counts = processor._check_special_mm_tokens.__self__
+    texts = [f"a {token * 5} b", f"{token}{token} and {token}"]
+    for side in ("left", "right"):
+        batch = library.tokenizer(texts, padding=True, padding_side=side, return_tensors="pt")
+        got = processor.create_mm_token_type_ids(batch["input_ids"])
+        assert got.tolist() == library.create_mm_token_type_ids(batch["input_ids"])
+        library._check_special_mm_tokens(texts, batch, ["image", "video", "audio"])
+        processor._check_special_mm_tokens(texts, batch, ["image", "video", "audio"])
+    assert counts.served == 2
+    listed = library.tokenizer(texts)["input_ids"]
+    assert processor.create_mm_token_type_ids(listed) == library.create_mm_token_type_ids(listed)
+
+
+@pytest.mark.parametrize("case", ["cut", "marked"])
+def test_a_placeholder_count_the_library_refuses_is_its_error(family_dir: Path, case: str) -> None:
+    """Text whose placeholders (a marked one is user text, not a placeholder) do not match
+    the ids: the library's own error, word for word."""
+    from transformers import processing_utils
+
+    processor, library, token = _counted_in_numpy(family_dir)
+    marker = processing_utils._CONTROL_TOKEN_START
+    texts = [f"a {token * 5} b", f"c {token * 2}"]
+    batch = library.tokenizer(texts, padding=True, return_tensors="pt")
+    asked = [f"a {token * 4} b" if case == "cut" else f"a {token * 4}{marker}{token} b", texts[1]]
+    with pytest.raises(ValueError, match="Mismatch in `image` token count") as expected:
+        library._check_special_mm_tokens(asked, batch, ["image"])
+    with pytest.raises(ValueError) as got:
+        processor._check_special_mm_tokens(asked, batch, ["image"])
+    assert str(got.value) == str(expected.value)
+    assert processor._check_special_mm_tokens.__self__.served == 0
 
 
 def test_a_thread_gets_its_own_processor(family_dir: Path) -> None:

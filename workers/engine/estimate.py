@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from vlmq.config.vision import (
+    INTERNVL_IMAGE_WRAPPER,
     expanded_prompt_tokens,
     internvl_video_tokens,
     template_stub,
@@ -58,15 +59,20 @@ def _rendered_tokens(processor: Any, conversation: list[dict[str, Any]]) -> int:
     return _counted(processor, ("prompt", hashlib.blake2b(named, digest_size=16).digest()), count)
 
 
-def _image_tokens(processor: Any, sizes: list[tuple[int, int]]) -> list[int]:
+def _image_tokens(processor: Any, family: str, sizes: list[tuple[int, int]]) -> list[int]:
     return [
-        _counted(processor, ("image", tuple(size)), partial(_one_image, processor, size))
+        _counted(processor, ("image", tuple(size)), partial(_one_image, processor, family, size))
         for size in sizes
     ]
 
 
-def _one_image(processor: Any, size: tuple[int, int]) -> int:
+def _one_image(processor: Any, family: str, size: tuple[int, int]) -> int:
     data = processor._get_num_multimodal_tokens(image_sizes=[list(size)])
+    if family == "internvl":
+        # From the tile count: transformers 5.25 stopped counting the <img></img> around the
+        # tiles in num_image_tokens (5.24 did), and the prompt holds them either way.
+        tiles = int(data.num_image_patches[0])
+        return INTERNVL_IMAGE_WRAPPER + int(processor.image_seq_length) * tiles
     return int(data.num_image_tokens[0])
 
 
@@ -105,5 +111,7 @@ def estimate_prompt_tokens(
     video_sizes: list[tuple[int, int, int]],
 ) -> int:
     """Prompt tokens of one conversation; image sizes (h, w), videos (frames, h, w)."""
-    visual = _image_tokens(processor, image_sizes) + _video_tokens(processor, family, video_sizes)
+    visual = _image_tokens(processor, family, image_sizes) + _video_tokens(
+        processor, family, video_sizes
+    )
     return expanded_prompt_tokens(_rendered_tokens(processor, conversation), visual)

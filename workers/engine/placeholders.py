@@ -18,8 +18,6 @@ import re
 from typing import Any
 
 import numpy as np
-import torch
-from transformers import BatchEncoding
 
 __all__ = ["RunLengthTokenizer", "unwrapped"]
 
@@ -140,7 +138,7 @@ class RunLengthTokenizer:
         return np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
 
 
-def _padded(encoded: list[np.ndarray], pad_id: int, side: str, tensors: str) -> BatchEncoding:
+def _padded(encoded: list[np.ndarray], pad_id: int, side: str, tensors: str) -> Any:
     """The batch padded to its longest row as the tokenizer pads (``pad_id``, mask 0 on
     the padding side), built in NumPy: from Python lists, ``torch.tensor`` costs ~7 ms per
     16 photos' ids and as much again for their mask."""
@@ -151,6 +149,11 @@ def _padded(encoded: list[np.ndarray], pad_id: int, side: str, tensors: str) -> 
         span = slice(width - len(sample), width) if side == "left" else slice(0, len(sample))
         ids[row, span] = sample
         mask[row, span] = 1
+    # Imported here: model.py imports this module, and a prepare worker, which imports the
+    # fleet (and through it model.py) but never tokenizes, runs without torch.
+    import torch
+    from transformers import BatchEncoding
+
     if tensors == "pt":
         return BatchEncoding(
             {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}

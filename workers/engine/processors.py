@@ -19,6 +19,7 @@ from typing import Any
 
 from PIL import Image
 
+from vlmq.workers.engine.mmcounts import count_placeholders_in_numpy
 from vlmq.workers.engine.placeholders import RunLengthTokenizer
 from vlmq.workers.media.cache import MediaCache
 from vlmq.workers.media.pixels import KEY_ATTRIBUTE
@@ -173,6 +174,7 @@ class ProcessorSet:
         tokenizer = getattr(processor, "tokenizer", None)
         if tokenizer is not None and not isinstance(tokenizer, RunLengthTokenizer):
             processor.tokenizer = RunLengthTokenizer(tokenizer, _placeholders(processor))
+            count_placeholders_in_numpy(processor)
         if self._cache.budget_bytes > 0:
             for attribute, arg in (("image_processor", "images"), ("video_processor", "videos")):
                 inner = getattr(processor, attribute, None)

@@ -92,7 +92,7 @@ bench: setup
 # load (its wheel is manylinux_2_31: glibc 2.31 or newer; Python 3.12.3 there is Ubuntu 24.04's).
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 \
 	python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 av==18.1.0 \
-	zstandard==0.25.0 llguidance==1.9.1
+	zstandard==0.25.0 xxhash==4.1.0 llguidance==1.9.1
 GPU_WHEELS_DIR := .whl
 GPU_WHEELS_MAX_MIB := 60
 GPU_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64

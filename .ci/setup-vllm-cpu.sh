@@ -63,6 +63,6 @@ if "_fake_if_ops" not in text:
 PY
 # vlmq itself (the producer side and the worker's media code), and what the worker's media
 # stages need that vllm does not bring.
-"$BIN/pip" install -q -e . "av>=14" "pillow>=11"
+"$BIN/pip" install -q -e . "av>=14" "pillow>=11" "xxhash>=3.4" "zstandard>=0.22"
 "$BIN/python" -c "import torchvision, vllm, vlmq; print('vllm', vllm.__version__, 'torch', __import__('torch').__version__)"
 echo "$WANTED" > "$VENV/.installed"

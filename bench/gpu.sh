@@ -13,7 +13,7 @@
 #   bash bench/gpu.sh --media --cpu-smoke
 #
 # --media runs on the GPU machine's image as it is: `make gpu-wheels` (here) puts the wheels
-# it lacks (pydantic, pydantic-settings, av, zstandard, llguidance) in .whl/, which travels;
+# it lacks (pydantic, pydantic-settings, av, zstandard, xxhash, llguidance) in .whl/, which travels;
 # when the Python here cannot import them, they are installed into a temporary target
 # ($VLMQ_GPU_SITE, default /tmp/vlmq-site) put first on PYTHONPATH. PYTHON=... picks the Python.
 #
@@ -49,10 +49,10 @@ fi
 if [[ "${1:-}" == "--media" ]]; then
     shift
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    if ! "$PYTHON" -c 'import pydantic, pydantic_settings, av, zstandard, llguidance' 2>/dev/null; then
+    if ! "$PYTHON" -c 'import pydantic, pydantic_settings, av, zstandard, xxhash, llguidance' 2>/dev/null; then
         wheels=(.whl/*.whl)
         if [[ ! -e "${wheels[0]}" ]]; then
-            echo "gpu.sh: $PYTHON lacks pydantic, pydantic-settings, av, zstandard or llguidance and .whl/ has no wheels: run 'make gpu-wheels' where pip works" >&2
+            echo "gpu.sh: $PYTHON lacks pydantic, pydantic-settings, av, zstandard, xxhash or llguidance and .whl/ has no wheels: run 'make gpu-wheels' where pip works" >&2
             exit 2
         fi
         site="${VLMQ_GPU_SITE:-/tmp/vlmq-site}"

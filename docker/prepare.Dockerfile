@@ -26,7 +26,7 @@ COPY examples/requests.jsonl examples/README.md ./examples/
 # The build fails if anything pulled torch in.
 RUN pip install ".[prepare]" \
     && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
-    && python -c "import av, PIL, zstandard, vlmq.workers.fleet.prepare_tier" \
+    && python -c "import av, PIL, xxhash, zstandard, vlmq.workers.fleet.prepare_tier" \
     && vlmq worker --help > /dev/null
 
 RUN useradd --create-home --uid "${VLMQ_UID}" --shell /usr/sbin/nologin vlmq \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from vlmq.workers.media.framecodec import (
     CorruptObject,
     decode_object,
     encode_object,
+    xxhash_available,
     zstd_available,
 )
 from vlmq.workers.media.framestore import FrameStore, content_id, open_frame_store, staged_digest
@@ -36,7 +38,8 @@ TARGET = Downscale(max_pixels=12544)
 
 
 def _codecs() -> list[str]:
-    return [name for name in CODECS if name != "zstd" or zstd_available()]
+    needs = {"zstd": zstd_available, "raw": xxhash_available}
+    return [name for name in CODECS if needs.get(name, lambda: True)()]
 
 
 def _video(frames: int = 4) -> DecodedVideo:
@@ -196,26 +199,66 @@ def test_a_corrupt_object_reads_as_missing_and_is_logged(
     assert "corrupt" in caplog.text
 
 
+def test_an_object_over_the_size_limit_is_not_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = _store(tmp_path).key_for("sha256:ab", SAMPLING, TARGET, "t")
+    assert _store(tmp_path).put(key, _video())
+    size = (tmp_path / key).stat().st_size
+    small = _store(tmp_path, FrameStoreSettings(kinds=["video"], max_object_bytes=size - 1))
+    with caplog.at_level(logging.WARNING):
+        assert small.get(key) is None
+    assert "too large" in caplog.text
+    assert isinstance(_store(tmp_path).get(key), DecodedVideo)
+
+
 def test_on_for_video_by_default_and_off_for_images(tmp_path: Path) -> None:
     media = MediaSettings()
     assert media.frame_store.kinds == ["video"] and media.frame_store.enabled
     store = open_frame_store(media, f"file://{tmp_path}")
     assert store is not None and store.store.url == f"file://{tmp_path}/frames"
-    assert store.codec == ("zstd" if zstd_available() else "zlib")
+    assert store.codec == ("raw" if xxhash_available() else "zstd" if zstd_available() else "zlib")
     off = MediaSettings(frame_store=FrameStoreSettings(enabled=False))
     assert open_frame_store(off, f"file://{tmp_path}") is None
 
 
-def test_a_zstd_object_without_zstandard_reads_as_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("codec", "package", "without"),
+    [("zstd", "zstd_available", ("raw", "zlib")), ("raw", "xxhash_available", ("zstd", "zlib"))],
+)
+def test_an_object_whose_codec_package_is_missing_reads_as_corrupt(
+    monkeypatch: pytest.MonkeyPatch, codec: str, package: str, without: tuple[str, str]
+) -> None:
+    """A worker without the codec's package reads the object as a miss (it prepares the media
+    again) and writes with the next codec it has."""
     from vlmq.workers.media import framecodec
 
-    if not zstd_available():
-        pytest.skip("zstandard is not installed: no zstd object can be written here")
-    data = encode_object(_video(), "zstd")
-    monkeypatch.setattr(framecodec, "zstd_available", lambda: False)
+    if not getattr(framecodec, package)():
+        pytest.skip(f"the {codec} codec's package is not installed here")
+    data = encode_object(_video(), codec)
+    monkeypatch.setattr(framecodec, package, lambda: False)
     with pytest.raises(CorruptObject):
         decode_object(data, 10**6, 16)
-    assert framecodec.resolve_codec("auto") == "zlib"
+    other = {"raw": xxhash_available, "zstd": zstd_available}[without[0]]
+    assert framecodec.resolve_codec("auto") == (without[0] if other() else without[1])
+
+
+def test_raw_frames_are_read_where_they_lie_in_the_mapped_object(tmp_path: Path) -> None:
+    if not xxhash_available():
+        pytest.skip("xxhash is not installed")
+    store = _store(tmp_path, FrameStoreSettings(kinds=["image"], codec="raw"))
+    key = store.key_for("sha256:ab", None, TARGET, "t")
+    image = make_image((37, 23), seed=4)
+    assert store.put(key, image)
+    back = store.get(key)
+    assert isinstance(back, Pixels) and back.tobytes() == image.tobytes()
+    # No copy: the array is a read-only view whose memory is the mapping of the file.
+    assert not back.array.flags.writeable and not back.array.flags.owndata
+    base: Any = back.array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)
+    assert back.as_tensor().sum().item() == int(np.asarray(image, np.int64).sum())
 
 
 # --- through the loader -----------------------------------------------------------------------

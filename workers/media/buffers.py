@@ -1,12 +1,12 @@
 """Host memory for pixels read back from the frame store, used again once nothing needs it.
 
-A GPU worker reading prepared media back allocates two large buffers per item (a 1080p
-photo: the ~5.5 MB object and its ~6 MB of frames; a clip ~29 MB) and frees them a batch
-later. Fresh memory from the kernel is faulted in a page at a time, and for NumPy's
-huge-page-advised arrays the kernel may compact memory first: measured in the GPU worker,
-that made decompressing a photo cost ~7 ms of CPU where the same decompression into memory
-already touched costs ~1.2 ms (bench/README.md, the prepare tier). A pool keeps freed
-buffers and hands them out again.
+A GPU worker reading prepared media back decompresses each item's frames into a large
+buffer (a 1080p photo ~6 MB, a clip ~29 MB: the zstd codec; the raw codec's frames are
+used where they lie) and frees it a batch later. Fresh memory from the kernel is
+faulted in a page at a time, and for NumPy's huge-page-advised arrays the kernel may compact
+memory first: measured in the GPU worker, that made decompressing a photo cost ~7 ms of CPU
+where the same decompression into memory already touched costs ~1.2 ms (bench/README.md, the
+prepare tier). A pool keeps freed buffers and hands them out again.
 
 Memory goes back to the pool only when nothing refers to it any more: an array from
 :meth:`BufferPool.array` is backed by a lease object (``__array_interface__``), which NumPy

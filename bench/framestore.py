@@ -118,7 +118,7 @@ def load_media(seconds: int, target: str) -> Media:
 
 def _store_codecs() -> list[tuple[str, str, dict[str, Any]]]:
     """(label, codec, overrides of its encoder): the store's lossless codecs and variants."""
-    from vlmq.workers.media.framecodec import xxhash_available, zstd_available
+    from vlmq.workers.media.framecodec import missing_package
 
     variants = [
         ("raw uint8 + zlib 1 (without zstandard)", "zlib", {}),
@@ -128,13 +128,13 @@ def _store_codecs() -> list[tuple[str, str, dict[str, Any]]]:
         ("WebP lossless, fastest", "webp", {}),
         ("WebP lossless, default effort", "webp", {"quality": 80, "method": 4}),
     ]
-    if zstd_available():
+    if missing_package("zstd") is None:
         variants[:0] = [
             ("raw uint8 + zstd -1 (literals raw; without xxhash)", "zstd", {}),
             ("raw uint8 + zstd 1", "zstd", {"level": 1}),
             ("raw uint8 + zstd 3", "zstd", {"level": 3}),
         ]
-    if xxhash_available():
+    if missing_package("raw") is None:
         variants[:0] = [("raw uint8 + XXH3-128 (chosen)", "raw", {})]
     return variants
 

@@ -25,8 +25,7 @@ from vlmq.workers.media.framecodec import (
     CorruptObject,
     decode_object,
     encode_object,
-    xxhash_available,
-    zstd_available,
+    missing_package,
 )
 from vlmq.workers.media.framestore import FrameStore, content_id, open_frame_store, staged_digest
 
@@ -37,9 +36,12 @@ SAMPLING = Sampling(2.0, 16, "exact")
 TARGET = Downscale(max_pixels=12544)
 
 
+def _has(codec: str) -> bool:
+    return missing_package(codec) is None
+
+
 def _codecs() -> list[str]:
-    needs = {"zstd": zstd_available, "raw": xxhash_available}
-    return [name for name in CODECS if needs.get(name, lambda: True)()]
+    return [name for name in CODECS if _has(name)]
 
 
 def _video(frames: int = 4) -> DecodedVideo:
@@ -217,14 +219,14 @@ def test_on_for_video_by_default_and_off_for_images(tmp_path: Path) -> None:
     assert media.frame_store.kinds == ["video"] and media.frame_store.enabled
     store = open_frame_store(media, f"file://{tmp_path}")
     assert store is not None and store.store.url == f"file://{tmp_path}/frames"
-    assert store.codec == ("raw" if xxhash_available() else "zstd" if zstd_available() else "zlib")
+    assert store.codec == ("raw" if _has("raw") else "zstd" if _has("zstd") else "zlib")
     off = MediaSettings(frame_store=FrameStoreSettings(enabled=False))
     assert open_frame_store(off, f"file://{tmp_path}") is None
 
 
 @pytest.mark.parametrize(
     ("codec", "package", "without"),
-    [("zstd", "zstd_available", ("raw", "zlib")), ("raw", "xxhash_available", ("zstd", "zlib"))],
+    [("zstd", "zstandard", ("raw", "zlib")), ("raw", "xxhash", ("zstd", "zlib"))],
 )
 def test_an_object_whose_codec_package_is_missing_reads_as_corrupt(
     monkeypatch: pytest.MonkeyPatch, codec: str, package: str, without: tuple[str, str]
@@ -233,18 +235,21 @@ def test_an_object_whose_codec_package_is_missing_reads_as_corrupt(
     again) and writes with the next codec it has."""
     from vlmq.workers.media import framecodec
 
-    if not getattr(framecodec, package)():
+    if not _has(codec):
         pytest.skip(f"the {codec} codec's package is not installed here")
     data = encode_object(_video(), codec)
-    monkeypatch.setattr(framecodec, package, lambda: False)
-    with pytest.raises(CorruptObject):
+    other = _has(without[0])
+    importable = framecodec.package_available
+    monkeypatch.setattr(
+        framecodec, "package_available", lambda name: name != package and importable(name)
+    )
+    with pytest.raises(CorruptObject, match=f"needs the {package} package"):
         decode_object(data, 10**6, 16)
-    other = {"raw": xxhash_available, "zstd": zstd_available}[without[0]]
-    assert framecodec.resolve_codec("auto") == (without[0] if other() else without[1])
+    assert framecodec.resolve_codec("auto") == (without[0] if other else without[1])
 
 
 def test_raw_frames_are_read_where_they_lie_in_the_mapped_object(tmp_path: Path) -> None:
-    if not xxhash_available():
+    if not _has("raw"):
         pytest.skip("xxhash is not installed")
     store = _store(tmp_path, FrameStoreSettings(kinds=["image"], codec="raw"))
     key = store.key_for("sha256:ab", None, TARGET, "t")

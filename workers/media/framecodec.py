@@ -26,6 +26,7 @@ Torch-free: prepare workers run without a model.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import struct
@@ -47,9 +48,8 @@ __all__ = [
     "PreparedMedia",
     "decode_object",
     "encode_object",
+    "missing_package",
     "resolve_codec",
-    "xxhash_available",
-    "zstd_available",
 ]
 
 # What the store keeps and gives back: an image (written from Pillow, read back as one
@@ -79,11 +79,12 @@ class _Codec:
     ``decode(payload, shape, lengths, allocate) -> planar uint8 array of that shape``
     (``allocate(shape)``: where a codec that decompresses into memory puts the frames).
     ``checks``: decoding verifies the payload itself (a flipped byte cannot read back as
-    pixels)."""
+    pixels). ``package``: the optional dependency its encoder and decoder import."""
 
     encode: Callable[..., tuple[bytes, list[int]]]
     decode: Callable[[memoryview, Shape, list[int], Allocate], np.ndarray]
     checks: bool = False
+    package: str | None = None
 
 
 def _planar(raw: bytes, shape: Shape) -> np.ndarray:
@@ -115,12 +116,18 @@ def _zlib_decode(payload: memoryview, shape: Shape, _: list[int], __: Allocate) 
     return _planar(raw, shape)
 
 
-def zstd_available() -> bool:
+def package_available(package: str) -> bool:
     try:
-        import zstandard  # noqa: F401
+        importlib.import_module(package)
     except ImportError:
         return False
     return True
+
+
+def missing_package(codec: str) -> str | None:
+    """The package ``codec`` needs and this process cannot import, or None."""
+    package = CODECS[codec].package
+    return package if package is not None and not package_available(package) else None
 
 
 def resolve_codec(name: str) -> str:
@@ -128,9 +135,7 @@ def resolve_codec(name: str) -> str:
     the GPU worker that reads them back, measured), else zstd, else zlib."""
     if name != "auto":
         return name
-    if xxhash_available():
-        return "raw"
-    return "zstd" if zstd_available() else "zlib"
+    return next(codec for codec in ("raw", "zstd", "zlib") if missing_package(codec) is None)
 
 
 def _zstd_encode(pixels: Pixels, level: int = -1) -> tuple[bytes, list[int]]:
@@ -184,14 +189,6 @@ def _decompressor() -> Any:
     if decompressor is None:
         decompressor = _THREAD.zstd = zstandard.ZstdDecompressor()
     return decompressor
-
-
-def xxhash_available() -> bool:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 _XXH_BYTES = 16  # XXH3-128
@@ -252,9 +249,9 @@ def _image_decode(
 
 
 CODECS: dict[str, _Codec] = {
-    "raw": _Codec(_raw_encode, _raw_decode, checks=True),
+    "raw": _Codec(_raw_encode, _raw_decode, checks=True, package="xxhash"),
     "zlib": _Codec(_zlib_encode, _zlib_decode, checks=True),
-    "zstd": _Codec(_zstd_encode, _zstd_decode, checks=True),
+    "zstd": _Codec(_zstd_encode, _zstd_decode, checks=True, package="zstandard"),
     "png": _Codec(_image_encoder("PNG", compress_level=1), _image_decode),
     "webp": _Codec(_image_encoder("WEBP", lossless=True, quality=0, method=0), _image_decode),
 }
@@ -320,7 +317,8 @@ def decode_object(
     allocated; ``key`` names the pixels (the store's content address); ``allocate`` gives
     the memory the frames are decompressed into (default: a new array)."""
     header, payload = _split(data)
-    codec = CODECS.get(str(header.get("codec")))
+    name = str(header.get("codec"))
+    codec = CODECS.get(name)
     if codec is None:
         raise CorruptObject("unknown codec")
     _verify(data, len(data) - len(payload) - _DIGEST_BYTES, codec.checks, header)
@@ -328,10 +326,9 @@ def decode_object(
     lengths = header.get("lengths") or []
     if not isinstance(lengths, list) or not all(isinstance(n, int) for n in lengths):
         raise CorruptObject("bad frame lengths")
-    if header.get("codec") == "zstd" and not zstd_available():
-        raise CorruptObject("a zstd object needs the zstandard package")
-    if header.get("codec") == "raw" and not xxhash_available():
-        raise CorruptObject("a raw object needs the xxhash package")
+    missing = missing_package(name)
+    if missing is not None:
+        raise CorruptObject(f"a {name} object needs the {missing} package")
     pixels = Pixels(codec.decode(payload, shape, lengths, allocate or _new_array), key)
     video = header.get("video")
     if video is None:

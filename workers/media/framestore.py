@@ -46,9 +46,8 @@ from vlmq.workers.media.framecodec import (
     PreparedMedia,
     decode_object,
     encode_object,
+    missing_package,
     resolve_codec,
-    xxhash_available,
-    zstd_available,
 )
 
 __all__ = [
@@ -147,10 +146,9 @@ class FrameStore:
         self, store: ResultStore, settings: FrameStoreSettings, media: MediaSettings
     ) -> None:
         self.codec = resolve_codec(settings.codec)
-        if self.codec == "zstd" and not zstd_available():
-            raise ConfigError("frame store codec zstd needs the zstandard package")
-        if self.codec == "raw" and not xxhash_available():
-            raise ConfigError("frame store codec raw needs the xxhash package")
+        missing = missing_package(self.codec)
+        if missing is not None:
+            raise ConfigError(f"frame store codec {self.codec} needs the {missing} package")
         self.store = store
         self.settings = settings
         self.media = media

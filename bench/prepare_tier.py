@@ -1,8 +1,9 @@
 """Does the prepare tier feed an accelerator? Real-size media, real worker processes.
 
 Media (bench/realmedia.py): 1080p JPEG photos and 720p H.264 clips of 20 s (GOP 60), distinct
-per round: the still synthetic clips (~110 Mbit/s: keyframes ~400x other frames) and
-"camera" clips (panning, per-frame sensor noise, 4 Mbit/s: keyframes ~20x other frames).
+per round: the still synthetic clips (a 110 Mbit/s target that a still scene spends on its
+keyframes: ~810 KB each, ~2 KB for other frames, 3.8 Mbit/s on average) and "camera" clips
+(panning, per-frame sensor noise, 4 Mbit/s: keyframes ~340 KB).
 
 The GPU worker is ``vlmq worker --engine simulated`` (real media and processor work;
 ``generate`` sleeps 5 ms per micro-batch + 20 us per prompt token, visual tokens

@@ -249,13 +249,14 @@ class Settler:
         lost = [(s, done) for s, done in zip(settlements, settled, strict=True) if not done.held]
         if won:
             self.observer.settled([s.settled_record() for s in won])
-        if lost:
-            log.warning("%d results of superseded deliveries discarded", len(lost))
-            self.observer.superseded([s.task_id for s, _ in lost])
         # One object per task: a superseded holder removes its own (only when another delivery
         # has the task, or it ended without this one), a redelivered winner what earlier
         # deliveries may have left (a holder killed between upload and settle).
         self._remove([s.key for s, done in lost if done.superseded and "result_url" in s.fields])
+        if lost:
+            # Logged once its objects are gone, so the line reports a finished discard.
+            log.warning("%d results of superseded deliveries discarded", len(lost))
+            self.observer.superseded([s.task_id for s, _ in lost])
         self._remove(
             [
                 result_key(s.task_id, s.record.get("job_id"), delivery)

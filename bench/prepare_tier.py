@@ -199,25 +199,36 @@ def _gpu_run(bench: Services, gpu: str, job: str) -> tuple[float, float, list[di
     return wall, cpu_seconds(proc.pid) - cpu, _records(bench, job)
 
 
-def _prepared_ahead(bench: Services, preparers: list[str], ports: list[int]) -> tuple[float, int]:
+@dataclass
+class Preparers:
+    """The prepare workers, their metrics ports, and the media they had decoded when they
+    were last paused (a paused process answers no metrics request, and one read after it
+    resumes may already count the next job's first decodes: small images take ~1 ms)."""
+
+    names: list[str]
+    ports: list[int]
+    decoded: int = 0  # a counter starts at 0 with its process
+
+
+def _prepared_ahead(bench: Services, preparers: Preparers) -> tuple[float, int]:
     """Let the prepare workers prepare every waiting task: their CPU seconds and the media
-    they decoded (read from their metrics while they run: a paused process answers none)."""
+    they decoded (read from their metrics while they still run, then paused)."""
     from vlmq.config.keys import Keys
     from vlmq.config.queues import prepare_backlog
 
     keys = Keys()
-    procs = [bench.procs[p] for p in preparers]
+    procs = [bench.procs[p] for p in preparers.names]
     cpu = sum(cpu_seconds(p.pid) for p in procs)
     for proc in procs:
         proc.send_signal(signal.SIGCONT)
-    decoded = _decoded(ports)
 
     def done() -> bool:
         backlog = prepare_backlog(bench.client.redis, keys, ["image", "video"])
         return not any(backlog.values()) and not bench.client.redis.hlen(keys.inflight())
 
     _wait(done, 1800, "preparing", 0.01)
-    decoded = _decoded(ports) - decoded
+    total = _decoded(preparers.ports)
+    decoded, preparers.decoded = total - preparers.decoded, total
     for proc in procs:
         proc.send_signal(signal.SIGSTOP)
     return sum(cpu_seconds(p.pid) for p in procs) - cpu, decoded
@@ -242,16 +253,16 @@ def run_self(bench: Services, gpu: str, items: list[dict[str, Any]]) -> Run:
 
 
 def run_prepared(
-    bench: Services, gpu: str, preparers: list[str], ports: list[int], items: list[dict[str, Any]]
+    bench: Services, gpu: str, preparers: Preparers, items: list[dict[str, Any]]
 ) -> Run:
     job = bench.client.submit_many(items)
-    prepare_cpu, decodes = _prepared_ahead(bench, preparers, ports)
+    prepare_cpu, decodes = _prepared_ahead(bench, preparers)
     wall, cpu, records = _gpu_run(bench, gpu, job)
     decodes += sum(int(r["timings"].get("media_decodes") or 0) for r in records)
     return Run(len(items), wall, _generate_s(records), cpu, prepare_cpu, decodes)
 
 
-def _start_fleet(bench: Services, model: Path) -> tuple[str, str, list[str], list[int]]:
+def _start_fleet(bench: Services, model: Path) -> tuple[str, str, Preparers]:
     # On a GPU the processor resizes and normalises on the device: so does the simulated one.
     simulated = ("--engine", "simulated", "--simulate", SIMULATE, "--simulate-processor", "device")
     off = {"VLMQ_MEDIA__FRAME_STORE__ENABLED": "false"}
@@ -272,33 +283,33 @@ def _start_fleet(bench: Services, model: Path) -> tuple[str, str, list[str], lis
         ports.append(port)
     for name in ("gpu-self", "gpu-fed", *preparers):
         bench.procs[name].send_signal(signal.SIGSTOP)
-    return "gpu-self", "gpu-fed", preparers, ports
+    return "gpu-self", "gpu-fed", Preparers(preparers, ports)
 
 
 def measure(
     bench: Services, model: Path, report: Report, workloads: tuple[str, ...] = WORKLOADS
 ) -> None:
-    own, fed, preparers, ports = _start_fleet(bench, model)
+    own, fed, preparers = _start_fleet(bench, model)
     # Two batches of distinct photos first: what a worker spends per request over a job, not
     # its first batches' (fresh memory for the frame store's read buffers, torch's first
     # allocations: a pool of buffers ~6 MB each fills once per process).
     warm = [_item("image", path, "Warm up.", n) for n, path in enumerate(photos(32, start=20_000))]
     run_self(bench, own, warm)
-    run_prepared(bench, fed, preparers, ports, warm)
+    run_prepared(bench, fed, preparers, warm)
     for round_ in range(report.repeats):
         _progress(f"round {round_ + 1}/{report.repeats}")
         for name, items in _workloads(round_, workloads).items():
             report.add(name, "self", run_self(bench, own, items))
-            report.add(name, "prepared", run_prepared(bench, fed, preparers, ports, items))
+            report.add(name, "prepared", run_prepared(bench, fed, preparers, items))
             if name in ("clips", "camera clips"):
                 keyed = _keyframes(items)
-                report.add(name, "keyframes", run_prepared(bench, fed, preparers, ports, keyed))
+                report.add(name, "keyframes", run_prepared(bench, fed, preparers, keyed))
             _progress(f"{name}: {_summary(report, name)}")
     if "hundred" in workloads:
         hundred = [_item("video", c, "What happens?", n) for n, c in enumerate(_hundred())]
         for job in ("100 clips, first job", "100 clips, second job"):
-            report.add(job, "prepared", run_prepared(bench, fed, preparers, ports, hundred))
-    for name in (own, fed, *preparers):
+            report.add(job, "prepared", run_prepared(bench, fed, preparers, hundred))
+    for name in (own, fed, *preparers.names):
         _stop(bench.procs.pop(name))
 
 

@@ -1,0 +1,56 @@
+"""A superseded holder's late objects: removed, and only then reported as discarded (the line
+a fault drill waits on; no services: a folder store and a stub of the fenced settle)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, cast
+
+from vlmq.config.results import FileStore
+from vlmq.config.state.tasks import Move, Moved, Tasks
+from vlmq.config.status import TaskState
+from vlmq.workers.fleet.held import Held
+from vlmq.workers.fleet.observer import LoopObserver
+from vlmq.workers.fleet.settle import Settlement, Settler
+
+
+class SupersededTasks:
+    """Every move refused: a later delivery (token 2) has each task."""
+
+    def settle(self, moves: Sequence[Move], usage: Any = None) -> list[Moved]:
+        return [Moved(m.task_id, "running", False, False, "2", m.token or 0) for m in moves]
+
+
+class KeysAtWarning(logging.Handler):
+    """The store's keys at the moment each warning is logged."""
+
+    def __init__(self, store: FileStore) -> None:
+        super().__init__(logging.WARNING)
+        self.store = store
+        self.seen: list[tuple[str, list[str]]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.getMessage(), self.store.keys("j")))
+
+
+def test_a_superseded_holder_reports_its_discard_once_its_objects_are_gone(tmp_path):
+    store = FileStore(f"file://{tmp_path}")
+    settlements = [
+        Settlement({"id": f"t{i}", "job_id": "j"}, TaskState.SUCCEEDED, {"worker": "w"}, 1)
+        for i in range(3)
+    ]
+    for s in settlements:
+        s.fields["result_url"] = store.put(s.key, s.record)
+    assert len(store.keys("j")) == 3
+    settler = Settler(store, cast(Tasks, SupersededTasks()), Held(), LoopObserver(), 2, 1.0)
+    handler = KeysAtWarning(store)
+    logger = logging.getLogger("vlmq.workers.fleet.settle")
+    logger.addHandler(handler)
+    try:
+        settler.finish_many(settlements)
+    finally:
+        logger.removeHandler(handler)
+        settler.close()
+    assert handler.seen == [("3 results of superseded deliveries discarded", [])]
+    assert store.keys("j") == []

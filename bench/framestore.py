@@ -59,12 +59,19 @@ class Media:
 
 
 def _timed(call: Callable[[], Any], repeats: int) -> list[float]:
-    values = []
+    return _timed_cpu(call, repeats)[0]
+
+
+def _timed_cpu(call: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and process CPU seconds per call: the decoder's slice threads make the wall
+    time shorter than the CPU a prepare core spends."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         call()
-        values.append(time.perf_counter() - began)
-    return values
+        wall.append(time.perf_counter() - began)
+        cpu.append(time.process_time() - began_cpu)
+    return wall, cpu
 
 
 def _ms(values: list[float]) -> str:
@@ -295,12 +302,12 @@ def keyframes_section(media: Media, repeats: int) -> list[str]:
     ]
     for kind, by_gop in (("still", media.clip_bytes), ("camera", media.camera_bytes)):
         for gop in GOPS:
-            label = f"{kind}, {_bitrate(by_gop[gop])}"
+            label = f"{kind}, {_clip_label(by_gop[gop])}"
             lines += _keyframe_rows(label, gop, by_gop[gop], media, repeats)
     return lines
 
 
-def _bitrate(data: bytes) -> str:
+def _clip_label(data: bytes) -> str:
     """A clip as its packets tell it: average bitrate and median keyframe size (what a
     keyframe costs to decode follows its size; a still scene spends a rate target on them)."""
     import av
@@ -343,18 +350,6 @@ def _keyframe_rows(kind: str, gop: int, data: bytes, media: Media, repeats: int)
             f"| {max(errors):.3f} |"
         )
     return lines
-
-
-def _timed_cpu(call: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
-    """Wall and process CPU seconds per call: the decoder's slice threads make the wall
-    time shorter than the CPU a prepare core spends."""
-    wall, cpu = [], []
-    for _ in range(repeats):
-        began, began_cpu = time.perf_counter(), time.process_time()
-        call()
-        wall.append(time.perf_counter() - began)
-        cpu.append(time.process_time() - began_cpu)
-    return wall, cpu
 
 
 class _DecodeCounter:

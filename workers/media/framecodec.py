@@ -34,6 +34,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -116,7 +117,10 @@ def _zlib_decode(payload: memoryview, shape: Shape, _: list[int], __: Allocate) 
     return _planar(raw, shape)
 
 
+@cache
 def package_available(package: str) -> bool:
+    """Asked on every object read (``decode_object``): a process's packages do not change,
+    and a failed import searches the path again each time."""
     try:
         importlib.import_module(package)
     except ImportError:

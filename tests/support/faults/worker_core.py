@@ -127,7 +127,12 @@ def cut_off_holder(h: Harness, tasks: int = 16, delay_s: float = 7.0) -> dict[st
 
 
 def duplicates_in_two_queues(h: Harness, delay_s: float = 1.0) -> dict[str, Any]:
-    """The same message in two classes' queues, a worker on each: one execution."""
+    """The same message in two classes' queues, a worker on each: one execution. Both copies
+    are queued before the workers start (a running worker could take the first before it is
+    copied)."""
+    task = h.client.submit([{"role": "user", "content": "once"}], lane="bulk")
+    raw: str = h.client.redis.lindex("vlmq.text", 0)  # type: ignore[assignment]
+    h.client.redis.lpush("vlmq.image", raw)
     text = h.noop_worker("text-worker", delay_s)
     image = h.worker(
         "--modality",
@@ -142,9 +147,6 @@ def duplicates_in_two_queues(h: Harness, delay_s: float = 1.0) -> dict[str, Any]
     )
     h.wait_registered("text-worker")
     h.wait_registered("image-worker")
-    task = h.client.submit([{"role": "user", "content": "once"}], lane="bulk")
-    raw: str = h.client.redis.lindex("vlmq.text", 0)  # type: ignore[assignment]
-    h.client.redis.lpush("vlmq.image", raw)
     wait_until(lambda: h.client.status(task)["state"] == "succeeded", what="the task")
     wait_until(
         lambda: h.client.redis.llen("vlmq.text") + h.client.redis.llen("vlmq.image") == 0,

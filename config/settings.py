@@ -318,6 +318,70 @@ class VllmSettings(BaseModel):
     )
 
 
+class DecodeSettings(BaseModel):
+    """How the HF engine decodes (``VLMQ_ENGINE__DECODE__*``; docs/engines.md, "The decode
+    loop")."""
+
+    mode: str = Field(
+        "loop",
+        pattern="^(loop|generate)$",
+        description="loop: vlmq's decode loop (a slot KV cache, every per-row control as tensor "
+        "work on the device with no host sync per step, CUDA graphs on a GPU, rows of many "
+        "micro-batches decoding together); generate: transformers' generate with per-row "
+        "logits processors (the reference the loop is tested against).",
+    )
+    cuda_graphs: str = Field(
+        "auto",
+        pattern="^(auto|on|off)$",
+        description="Replay decode steps as CUDA graphs, captured per rows and cache-length "
+        "bucket on first use (auto: on with CUDA). A capture that fails turns them off for "
+        "the worker's life with one log line; steps then run eagerly (counted in metrics).",
+    )
+    inflight: bool = Field(
+        True,
+        description="A slot freed by a finished row takes a row of the next micro-batch while "
+        "the others decode (the worker keeps the loop full, as it keeps vLLM full). false: "
+        "each micro-batch decodes alone to its end.",
+    )
+    slots: int | None = Field(
+        None,
+        ge=1,
+        description="Rows decoding at once (the KV cache's rows). Unset: the engine's "
+        "max_batch_size.",
+    )
+    max_length: int | None = Field(
+        None,
+        ge=64,
+        description="Positions per slot at most (prompt, images and videos included, plus new "
+        "tokens); the cache grows to it by doubling as longer rows arrive, so its memory is "
+        "slots x length x the model's KV bytes per token. A micro-batch that needs more runs "
+        "through generate. Unset: the model's context, at most 8192.",
+    )
+    sync_every: int = Field(
+        8,
+        ge=1,
+        description="Steps between the host's looks at the device (finished rows, stop "
+        "strings); a row that reaches its max_new_tokens is seen at that step. A row that "
+        "ended by EOS or a stop string keeps its slot up to this many steps.",
+    )
+    poll_steps: int = Field(
+        64,
+        ge=1,
+        description="Steps the loop runs per poll at most before the worker may add rows.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the decode step (dynamic shapes, inductor) before its CUDA "
+        "graphs are captured. The first start compiles for minutes on a large model; "
+        "compile_cache_dir keeps the result for restarts.",
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="Where inductor keeps compiled kernels and graphs across restarts "
+        "(TORCHINDUCTOR_CACHE_DIR). Unset: ~/.cache/vlmq/inductor.",
+    )
+
+
 class EngineSettings(BaseModel):
     """How the model is loaded and how batches are cut."""
 
@@ -386,6 +450,10 @@ class EngineSettings(BaseModel):
         description="Benchmarks only: every row generates exactly max_new_tokens "
         "(min_new_tokens = max_new_tokens), so random-weight checkpoints that emit EOS "
         "early still do comparable work.",
+    )
+    decode: DecodeSettings = Field(
+        default_factory=DecodeSettings,
+        description="How the HF engine decodes: its decode loop or transformers' generate.",
     )
 
 

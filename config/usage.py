@@ -44,13 +44,21 @@ class TaskUsage:
             modality=_dim(record.get("modality")),
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),
-            model_s=float(timings.get("generate_s") or 0.0) / size,
+            model_s=_model_seconds(timings, size),
         )
 
     def argv(self) -> list[str | int]:
         """The settle script's arguments for this task (read_usage)."""
         dims = f"{self.model}|{self.modality}"
         return [dims, self.prompt_tokens, self.completion_tokens, 1, round(self.model_s * 1e6)]
+
+
+def _model_seconds(timings: Mapping[str, Any], batch_size: int) -> float:
+    """The task's share of its model's time: as the engine apportioned it (``model_s``: the
+    decode loop, whose rows come and go), else its micro-batch's time split evenly."""
+    if timings.get("model_s") is not None:
+        return float(timings["model_s"])
+    return float(timings.get("generate_s") or 0.0) / batch_size
 
 
 def _dim(value: Any) -> str:

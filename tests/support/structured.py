@@ -34,8 +34,9 @@ SCHEMA: dict[str, Any] = {
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 CHOICES = ["yes", "no", "not sure"]
 # A random model closes a JSON string by chance (a token starting with a quote): sampled with
-# this seed and room, it ends on all three tiny checkpoints (in 200-240 tokens).
-JSON_OBJECT = {"temperature": 1.0, "seed": 2, "max_new_tokens": 1000}
+# this seed and room, it ends on all three tiny checkpoints (in 127, 3 and 18 tokens: the first
+# of seeds 0-39 that ends on all three, measured with the sampler of sampling.py).
+JSON_OBJECT = {"temperature": 1.0, "seed": 25, "max_new_tokens": 1000}
 
 
 def _messages(text: str, image: str | None) -> list[dict[str, Any]]:

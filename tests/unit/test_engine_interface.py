@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tests.support.continuous import StepEngine
 from vlmq.config.schemas import Request
+from vlmq.config.settings import DecodeSettings, EngineSettings
 from vlmq.workers.engine.engine import Engine, EngineStats
 from vlmq.workers.engine.interface import (
     Collated,
@@ -33,7 +34,17 @@ def test_each_engine_declares_how_it_runs_and_what_it_counts() -> None:
     hf, vllm = Engine("unused"), VllmEngine("unused")  # neither set up: nothing loaded
     try:
         declared = [
-            (hf, False, EngineStats),
+            (hf, True, EngineStats),  # the decode loop in flight (the default)
+            (
+                Engine("unused", EngineSettings(decode=DecodeSettings(inflight=False))),
+                False,
+                EngineStats,
+            ),
+            (
+                Engine("unused", EngineSettings(decode=DecodeSettings(mode="generate"))),
+                False,
+                EngineStats,
+            ),
             (vllm, True, type(None)),
             (StepEngine(), True, type(None)),
             (as_generation_engine(NoopEngine()), False, type(None)),

@@ -66,6 +66,8 @@ def test_only_an_engine_other_than_the_noop_one_gets_the_runner_patch():
 
     faults = Faults(oom_above_batch=1)
     assert patches(faults, NoopEngine()) == []
+    # Where a micro-batch enters the model: transformers' generate, or the decode loop.
     assert [(owner, name) for owner, name, _ in patches(faults, None)] == [
-        (BatchRunner, "generate")
+        (BatchRunner, "generate"),
+        (BatchRunner, "admission"),
     ]

@@ -29,7 +29,14 @@ from transformers import LogitsProcessor
 from vlmq.config.constraints import Constraint
 from vlmq.config.errors import InvalidRequest
 
-__all__ = ["GrammarBook", "GrammarStats", "RowConstraints", "apply_bitmask"]
+__all__ = [
+    "GrammarBook",
+    "GrammarStats",
+    "RowConstraints",
+    "SlotConstraints",
+    "apply_bitmask",
+    "disallowed",
+]
 
 
 class GrammarStats:
@@ -53,6 +60,7 @@ class GrammarBook:
         # The logits may be wider than the tokenizer (padded rows): those ids are no token.
         self.tokenizer_size = len(tokenizer)
         self.eos_ids = sorted(eos_ids)
+        self.eos_set = set(self.eos_ids)
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids
         )
@@ -124,11 +132,15 @@ def _reason(error: str) -> str:
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-def _disallowed(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """Rows x vocab, True where the bitmask (bit k of word w: token 32w+k) refuses a token.
-    On the host numpy unpacks in one call; on a device, torch ops unpack it there."""
+def disallowed(
+    bitmask: torch.Tensor, vocab: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Rows x vocab, True where the bitmask (bit k of word w: token 32w+k) refuses a token, on
+    ``device`` (the bitmask's own by default). On the host numpy unpacks in one call; on a
+    device, torch ops unpack it there (no sync: the decode loop's CUDA graphs hold them)."""
+    device = bitmask.device if device is None else device
     if device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(bits[:, :vocab]) == 0
     words = bitmask.to(device)
     shifts = _SHIFTS.to(device)
@@ -137,7 +149,7 @@ def _disallowed(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torc
 
 def apply_bitmask(scores: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits a row's bitmask disallows to -inf, in place."""
-    refused = _disallowed(bitmask, scores.shape[1], scores.device)
+    refused = disallowed(bitmask, scores.shape[1], scores.device)
     if rows.numel() == scores.shape[0]:  # every row constrained (rows are in order)
         scores.masked_fill_(refused, float("-inf"))
         return
@@ -261,3 +273,65 @@ class _Commit(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.constraints.commit(scores)
         return scores
+
+
+class SlotConstraints:
+    """The decode loop's constrained slots: a matcher per slot and a host bitmask (pinned on
+    CUDA) whose rows are copied to the device bitmask the step applies. Unconstrained slots
+    keep an all-allowed row. The loop hands over the tokens its last controls chose
+    (``consume``); the matchers advance in parallel in llguidance and fill the next masks."""
+
+    def __init__(self, book: GrammarBook, slots: int, pinned: bool) -> None:
+        self.book = book
+        words = (book.vocab_size + 31) // 32
+        self.host = torch.full((slots, words), -1, dtype=torch.int32)
+        if pinned:
+            self.host = self.host.pin_memory()
+        self.matchers: dict[int, Any] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def admit(self, slots: Sequence[int], matchers: Sequence[Any | None]) -> None:
+        """New rows: the constrained ones get their first masks."""
+        for slot, matcher in zip(slots, matchers, strict=True):
+            self.host[slot] = -1
+            if matcher is not None:
+                self.matchers[slot] = matcher
+        self._fill([s for s in slots if s in self.matchers])
+
+    def consume(self, slots: Iterable[int], tokens: Sequence[int] | np.ndarray) -> None:
+        """``tokens[slot]`` was chosen for each of ``slots``: advance their matchers and fill
+        their next masks. A matcher that ends (EOS) or refuses leaves its row all-allowed: the
+        row is finished and its later tokens are dropped."""
+        steps = [(s, int(tokens[s])) for s in slots if s in self.matchers]
+        ending = [s for s, token in steps if token in self.book.eos_set]
+        going = [(s, token) for s, token in steps if token not in self.book.eos_set]
+        accepted = (
+            self.book.executor.consume_token_par([(self.matchers[s], t) for s, t in going])
+            if going
+            else []
+        )
+        refused = [s for (s, _), ok in zip(going, accepted, strict=True) if not ok]
+        for slot in ending + refused:
+            del self.matchers[slot]
+            self.host[slot] = -1
+        self._fill([s for s, _ in going if s in self.matchers])
+
+    def release(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            if self.matchers.pop(slot, None) is not None:
+                self.host[slot] = -1
+
+    def upload(self, bitmask: torch.Tensor, rows: int) -> None:
+        bitmask[:rows].copy_(self.host[:rows], non_blocking=True)
+
+    def _fill(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        self.book.executor.unsafe_compute_mask_ptr(
+            [(self.matchers[s], s) for s in slots],
+            self.host.data_ptr(),
+            self.host.shape[1] * 4,
+            self.host.shape[0],
+        )

@@ -4,13 +4,13 @@
 behave per row instead:
 
 * :class:`RowSampler` runs greedy decoding for greedy rows and, for sampling
-  rows, draws the token itself (its own temperature, top-p and seeded
-  generator) and masks every other logit, so the batch-wide greedy step picks
-  exactly that token. A seeded request therefore samples the same tokens
-  whatever its batch-mates are.
+  rows, draws the token itself (its own temperature, top-p and seed: sampling.py,
+  the same draw the decode loop makes) and masks every other logit, so the
+  batch-wide greedy step picks exactly that token. A seeded request therefore
+  samples the same tokens whatever its batch-mates are, on either path.
 * :class:`RowStopper` ends each row at its own ``max_new_tokens`` or at one of
-  its stop strings (not before its ``min_tokens``); the batch generates to the longest
-  row's limit.
+  its stop strings (not before its ``min_tokens``; stops.py's rule); the batch generates
+  to the longest row's limit.
 * :class:`RowPenalties` applies each row's repetition (multiplicative, over prompt and
   output, as transformers and vLLM do), presence and frequency (additive, over the output,
   OpenAI's definition) penalties; :class:`RowMinTokens` holds back EOS until a row has its
@@ -30,6 +30,8 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from vlmq.workers.engine.completions import completion_seed
+from vlmq.workers.engine.sampling import choose_tokens, seed_words
+from vlmq.workers.engine.stops import first_stop, stop_window
 
 __all__ = [
     "RowMinTokens",
@@ -40,9 +42,6 @@ __all__ = [
     "RowStopper",
     "completion_seed",
 ]
-
-# Below this a temperature is greedy in effect; it keeps the division finite.
-_MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -59,48 +58,39 @@ class RowPenalty:
     frequency: float = 0.0
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = torch.sort(probs, descending=True)
-    cumulative = torch.cumsum(sorted_probs, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (always the top token).
-    drop = cumulative - sorted_probs > top_p
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return filtered / filtered.sum()
-
-
 class RowSampler(LogitsProcessor):
-    """Samples the rows that asked for it; leaves greedy rows untouched."""
+    """Samples the rows that asked for it (sampling.choose_tokens, the decode loop's own draw);
+    leaves greedy rows untouched: a sampled row's logits become its drawn token alone."""
 
     def __init__(self, rows: Sequence[RowSampling | None]) -> None:
         self.rows = list(rows)
-        self.generators: list[torch.Generator | None] = [
-            torch.Generator().manual_seed(r.seed) if r else None for r in self.rows
-        ]
+        self.sampled = torch.tensor([r is not None for r in self.rows])
+        self.temperature = torch.tensor([r.temperature if r else 1.0 for r in self.rows])
+        self.top_p = torch.tensor([r.top_p if r else 1.0 for r in self.rows])
+        seeds = torch.tensor([r.seed if r else 0 for r in self.rows], dtype=torch.long)
+        self.keys = seed_words(seeds)
+        self.steps = 0
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        for row, (spec, generator) in enumerate(zip(self.rows, self.generators, strict=True)):
-            if spec is None or generator is None:
-                continue
-            logits = scores[row].float().cpu()
-            if spec.temperature > 0:
-                # Shift, and floor the temperature: logits / 1e-300 overflows
-                # float32 (1e-300 itself rounds to 0) and softmax gives NaN.
-                temperature = max(spec.temperature, _MIN_TEMPERATURE)
-                probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
-                probs = _top_p_filter(probs, spec.top_p)
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            else:
-                token = int(torch.argmax(logits))
-            scores[row] = torch.finfo(scores.dtype).min
-            scores[row, token] = 0.0
-        return scores
+        device = scores.device
+        sampled = self.sampled.to(device)
+        tokens = choose_tokens(
+            scores,
+            sampled,
+            self.temperature.to(device),
+            self.top_p.to(device),
+            self.keys.to(device),
+            torch.full_like(self.keys, self.steps, device=device),
+        )
+        self.steps += 1
+        only = torch.full_like(scores, torch.finfo(scores.dtype).min)
+        only.scatter_(1, tokens.unsqueeze(1), 0.0)
+        return torch.where(sampled.unsqueeze(1), only, scores)  # type: ignore[return-value]
 
 
 class RowStopper(StoppingCriteria):
-    """Per-row stop: each row's own token limit, and its own stop strings."""
+    """Per-row stop: each row's own token limit, and its own stop strings (stops.first_stop:
+    the rule the decode loop applies too)."""
 
     def __init__(
         self,
@@ -115,8 +105,6 @@ class RowStopper(StoppingCriteria):
         self.min_tokens = list(min_tokens or [0] * len(stop_strings))
         self.stop_strings = [list(s) for s in stop_strings]
         self.decode = decode
-        # A stop string spans at most len(s) tokens; look a little further back.
-        self.windows = [max((len(s) for s in stops), default=0) + 4 for stops in self.stop_strings]
         # row -> number of generated tokens when its stop string appeared
         self.stopped_at: dict[int, int] = {}
 
@@ -124,17 +112,18 @@ class RowStopper(StoppingCriteria):
         generated = input_ids.shape[1] - self.prompt_length
         done = (generated >= self.max_new_tokens).to(input_ids.device)
         for row, stops in enumerate(self.stop_strings):
-            if generated <= self.min_tokens[row]:
+            # A row stops once: generate pads it afterwards, and its window still holds the
+            # stop string for a few steps.
+            if not stops or done[row] or row in self.stopped_at:
                 continue
-            if stops and not done[row] and self._hit(input_ids[row], row, generated, stops):
+            # The last window of tokens, counted from where it starts: the check at `generated`.
+            tail = input_ids[row, self.prompt_length :][-stop_window(stops) :].tolist()
+            skipped = generated - len(tail)
+            floor = self.min_tokens[row] - skipped
+            if first_stop(self.decode, tail, stops, floor, len(tail) - 1, len(tail)) is not None:
                 self.stopped_at[row] = generated
                 done[row] = True
         return done  # type: ignore[return-value]
-
-    def _hit(self, row_ids: torch.Tensor, row: int, generated: int, stops: list[str]) -> bool:
-        window = min(self.windows[row], generated)
-        tail = self.decode(row_ids[-window:].tolist()) if window else ""
-        return any(stop in tail for stop in stops)
 
 
 class RowMinTokens(LogitsProcessor):

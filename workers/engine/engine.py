@@ -2,13 +2,15 @@
 
 decode (``prepare``: fetch + decode media, limits, length estimate; any thread) → batch
 (``plan``: sort, cut under a token budget) → collate (``collate``: the processor, any thread,
-each with its own processor) → predict (``generate``: padded generate on the model's thread)
-→ unbatch (one result per request). ``run`` does all of it in order, for ``vlmq run`` and the
-serial worker; the pipelined worker calls the steps from its stages (workers/fleet/pipeline.py)
-through the generation interface (``capacity`` / ``submit`` / ``poll``) a continuous engine
-can fill too. Failures stay per request: bad media or an over-long prompt fails alone; an
-exception in ``generate`` bisects the micro-batch until the culprit is alone; an
-out-of-memory error halves it and retries.
+each with its own processor) → predict (the model's thread: the decode loop, decoder.py, or
+transformers' generate, ``engine.decode.mode``) → unbatch (one result per request). ``run``
+does all of it in order, for ``vlmq run`` and the serial worker; the pipelined worker calls the
+steps from its stages (workers/fleet/pipeline.py) through the generation interface
+(``capacity`` / ``submit`` / ``poll``). With the decode loop in flight (the default) the engine
+is continuous: ``submit`` prefills a micro-batch into free slots while earlier rows decode,
+``poll`` decodes and returns each request as it finishes. Failures stay per request: bad media
+or an over-long prompt fails alone; an exception in a micro-batch's prefill or ``generate``
+bisects it until the culprit is alone; an out-of-memory error halves it and retries.
 """
 
 from __future__ import annotations
@@ -20,16 +22,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
 from vlmq.config.schemas import Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.batching import plan_micro_batches
 from vlmq.workers.engine.completions import result_choices
-from vlmq.workers.engine.interface import Collated, OneSlot
+from vlmq.workers.engine.decoder import Decoder, DecodeStats, DoesNotFit
+from vlmq.workers.engine.interface import CONTINUOUS, STATIC, Collated, OneSlot
+from vlmq.workers.engine.loop_setup import build_decoder
 from vlmq.workers.engine.model import LoadedModel, load_model, load_processor, processor_device
 from vlmq.workers.engine.prepare import Prepared, Preparer, video_frame_counts
 from vlmq.workers.engine.processors import ProcessorSet
-from vlmq.workers.engine.runner import BatchRunner, Completion, RowsTooLong, free_device_memory
+from vlmq.workers.engine.runner import (
+    BatchRunner,
+    Completion,
+    RowsTooLong,
+    free_device_memory,
+    is_oom,
+)
 from vlmq.workers.media import MediaLoader
 from vlmq.workers.media.cache import CacheStats
 
@@ -58,9 +70,16 @@ class EngineStats:
     generate_s: float = 0.0  # time inside generate: the model-busy numerator
     batch_sizes: list[int] = field(default_factory=list)
     cache: CacheStats = field(default_factory=CacheStats)  # the media cache's, shared
+    decode: DecodeStats | None = None  # the decode loop's, when it runs
+    device_s: dict[str, float] = field(default_factory=dict)  # the device's own time, by kind
+    generate_fallbacks: int = 0  # micro-batches the loop could not hold, run by generate
 
 
 Run = list[tuple[Prepared, Completion | None, VlmqError | None]]
+
+
+def _rows(collated: Collated) -> int:
+    return sum(item.rows for item in collated.items)
 
 
 class Engine(OneSlot):
@@ -82,7 +101,14 @@ class Engine(OneSlot):
         self.loaded: LoadedModel | None = None
         self.stats = EngineStats(cache=self.loader.cache.stats)
         self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
-        self._max_rows = self.settings.max_batch_size
+        decode = self.settings.decode
+        # A micro-batch never has more rows than the decode loop has slots.
+        self._max_rows = min(self.settings.max_batch_size, decode.slots or (1 << 30))
+        if decode.mode == "loop" and decode.inflight:
+            self.capabilities = CONTINUOUS
+        self.decoder: Decoder | None = None
+        self._waiting: list[Collated] = []  # submitted, waiting for free slots
+        self._done: list[Outcome] = []  # ended outside the loop, returned by the next poll
 
     # lifecycle -------------------------------------------------------------
     def setup(self) -> Engine:
@@ -108,6 +134,7 @@ class Engine(OneSlot):
                 self.processors,
                 self._runner.grammars,
             )
+            self._build_decoder()
         return self
 
     def set_processor_device(self, device: str | None) -> None:
@@ -121,6 +148,26 @@ class Engine(OneSlot):
         """Change the row cap of later micro-batches (benchmarks sweep it)."""
         self.settings = self.settings.model_copy(update={"max_batch_size": rows})
         self._max_rows = rows
+
+    def set_decode(self, **fields: Any) -> None:
+        """Change how later micro-batches decode (``engine.decode``'s fields: mode, inflight,
+        slots, ...), with nothing in flight: benchmarks and tests compare the paths on one
+        loaded model."""
+        if self.pending:
+            raise RuntimeError("set_decode with requests in flight")
+        decode = self.settings.decode.model_copy(update=fields)
+        self.settings = self.settings.model_copy(update={"decode": decode})
+        self.capabilities = CONTINUOUS if decode.mode == "loop" and decode.inflight else STATIC
+        self._max_rows = min(self.settings.max_batch_size, decode.slots or (1 << 30))
+        if self.loaded is not None:
+            self._build_decoder()
+
+    def _build_decoder(self) -> None:
+        self.decoder = None
+        if self.settings.decode.mode == "loop":
+            self.decoder = build_decoder(self._ready(), self.settings, self._runner)
+            self.stats.decode = self.decoder.stats
+            self.stats.device_s = self.decoder.timer.seconds
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -177,8 +224,8 @@ class Engine(OneSlot):
             return Collated(list(items), None, 0.0)
 
     def generate(self, collated: Collated) -> list[Outcome]:
-        """Run one collated micro-batch on the model's thread; one outcome per item, never
-        raises."""
+        """Run one collated micro-batch to its end on the model's thread; one outcome per
+        item, never raises."""
         self._ready()
         return [
             Outcome(item, completion, error)
@@ -190,15 +237,80 @@ class Engine(OneSlot):
         """The HF engine runs static micro-batches of at most this many rows."""
         return self._max_rows
 
+    def capacity(self) -> int:
+        """Continuous: the decode loop's free rows (those a waiting micro-batch will take
+        excepted); static: a whole micro-batch when idle."""
+        if not self.capabilities.continuous:
+            return super().capacity()
+        decoder = self._decoder()
+        return max(0, decoder.free_rows - sum(_rows(c) for c in self._waiting))
+
+    def submit(self, collated: Collated) -> None:
+        """Continuous: prefill the micro-batch into free slots now (or as soon as they free).
+        Static: keep it for the next ``poll``."""
+        if not self.capabilities.continuous:
+            return super().submit(collated)
+        self._ready()
+        if _rows(collated) > self._decoder().slots:  # could never get its slots: alone, now
+            self._end_now(self._run_safely(collated.items, collated, reference=True))
+            return None
+        self._waiting.append(collated)
+        self._admit_waiting()
+        return None
+
+    @property
+    def pending(self) -> int:
+        if not self.capabilities.continuous:
+            return OneSlot.pending.fget(self)  # type: ignore[attr-defined]
+        waiting = sum(len(c.items) for c in self._waiting)
+        inside = self.decoder.requests if self.decoder is not None else 0
+        return len(self._done) + waiting + inside
+
     def poll(self, worker: str) -> list[Result]:
-        """The results of what was submitted (all of it: generate runs here)."""
-        collated = self._take()
-        if collated is None:
-            return []
-        return [self.to_result(outcome, worker) for outcome in self.generate(collated)]
+        """Static: run what was submitted. Continuous: decode until a request finishes (or
+        ``decode.poll_steps``), then the results of every request that ended."""
+        if not self.capabilities.continuous:
+            collated = self._take()
+            if collated is None:
+                return []
+            return [self.to_result(outcome, worker) for outcome in self.generate(collated)]
+        return [self.to_result(outcome, worker) for outcome in self._poll_outcomes()]
 
     def reject(self, prepared: Prepared, worker: str) -> Result:
         return self.to_result(Outcome(prepared, error=prepared.error), worker)
+
+    # the decode loop in flight ---------------------------------------------------------
+    def _decoder(self) -> Decoder:
+        if self.decoder is None:
+            raise RuntimeError("Engine.setup() must run before the engine is used")
+        return self.decoder
+
+    def _poll_outcomes(self) -> list[Outcome]:
+        decoder = self._decoder()
+        outcomes, self._done = self._done, []
+        if decoder.busy_rows:
+            try:
+                with torch.inference_mode():
+                    finished = decoder.step(self.settings.decode.poll_steps)
+            except Exception:
+                log.exception("a decode step failed with %d rows inside", decoder.busy_rows)
+                items = decoder.abort()
+                outcomes += [Outcome(*e) for e in self._run_safely(items, reference=True)]
+                finished = []
+            completions = [self._runner.completion(f) for f in finished]
+            self._record_finished(completions)
+            outcomes += [Outcome(f.item, c) for f, c in zip(finished, completions, strict=True)]
+        self._admit_waiting()
+        return outcomes
+
+    def _admit_waiting(self) -> None:
+        decoder = self._decoder()
+        while self._waiting and _rows(self._waiting[0]) <= decoder.free_rows:
+            collated = self._waiting.pop(0)
+            self._end_now(self._run_safely(collated.items, collated, admit=True))
+
+    def _end_now(self, run: Run) -> None:
+        self._done += [Outcome(*entry) for entry in run]
 
     # all in order ----------------------------------------------------------
     def run(
@@ -218,29 +330,83 @@ class Engine(OneSlot):
         prepared = self._preparer.prepare_all(list(requests))
         outcomes = {id(p): Outcome(p, error=p.error) for p in prepared}
         ready = [p for p in prepared if p.error is None]
-        for micro_batch in self.plan(ready, token_budget):
-            for item, completion, error in self._run_safely(micro_batch):
-                outcomes[id(item)].completion = completion
-                outcomes[id(item)].error = error
+        micro_batches = self.plan(ready, token_budget)
+        if self.capabilities.continuous:
+            ended = self._in_flight(micro_batches)
+        else:
+            ended = [Outcome(*e) for batch in micro_batches for e in self._run_safely(batch)]
+        for outcome in ended:
+            outcomes[id(outcome.prepared)] = outcome
         return [outcomes[id(p)] for p in prepared]
 
+    def _in_flight(self, micro_batches: list[list[Prepared]]) -> list[Outcome]:
+        """Every micro-batch through the loop, each going in as soon as it has room."""
+        ended: list[Outcome] = []
+        for batch in micro_batches:
+            collated = self._runner.collate(batch, self.processors.primary)
+            while self.pending and self.capacity() < _rows(collated):
+                ended += self._poll_outcomes()
+            self.submit(collated)
+        while self.pending:
+            ended += self._poll_outcomes()
+        return ended
+
     # failure handling --------------------------------------------------------
-    def _run_safely(self, items: list[Prepared], collated: Collated | None = None) -> Run:
-        """Run a micro-batch (collating it here unless given); one entry per item."""
+    def _run_safely(
+        self,
+        items: list[Prepared],
+        collated: Collated | None = None,
+        admit: bool = False,
+        reference: bool = False,
+    ) -> Run:
+        """Run a micro-batch to its end, or with ``admit`` put it into the decode loop (its
+        results come from ``poll``), collating it here unless given; an entry per item that
+        ended now. ``reference``: through transformers' generate, whatever the setting."""
         try:
             if collated is None or collated.inputs is None:
                 collated = self._runner.collate(items, self.processors.primary)
-            completions = self._runner.generate(collated)
+            completions = self._through_model(collated, admit, reference)
         except OutOfMemory as exc:
-            return self._after_oom(items, exc)
+            return self._after_oom(items, exc, admit, reference)
         except RowsTooLong as exc:
-            return self._drop_rows(items, exc.rows)
+            return self._drop_rows(items, exc.rows, admit, reference)
         except Exception:
-            return self._bisect(items)
+            return self._bisect(items, admit, reference)
+        if completions is None:
+            return []
         self._record(completions)
         return [(item, c, None) for item, c in zip(items, completions, strict=True)]
 
-    def _after_oom(self, items: list[Prepared], exc: OutOfMemory) -> Run:
+    def _through_model(
+        self, collated: Collated, admit: bool, reference: bool
+    ) -> list[Completion] | None:
+        decoder = self.decoder
+        if decoder is None or reference:
+            return self._runner.generate(collated)
+        try:
+            admission = self._runner.admission(collated)
+            with torch.inference_mode():
+                decoder.admit(admission)
+        except DoesNotFit as exc:
+            log.info("micro-batch through generate: %s", exc)
+            self.stats.generate_fallbacks += 1
+            return self._runner.generate(collated)
+        except Exception as exc:
+            if is_oom(exc):
+                raise OutOfMemory("the batch did not fit in device memory") from exc
+            raise
+        self.stats.micro_batches += 1
+        self.stats.batch_sizes.append(len(collated.items))
+        if admit:
+            return None
+        with torch.inference_mode():
+            finished = decoder.drain()
+        by_item = {id(f.item): self._runner.completion(f) for f in finished}
+        return [by_item[id(item)] for item in collated.items]
+
+    def _after_oom(
+        self, items: list[Prepared], exc: OutOfMemory, admit: bool, reference: bool
+    ) -> Run:
         free_device_memory()
         if len(items) == 1:
             return [(items[0], None, exc)]
@@ -248,39 +414,51 @@ class Engine(OneSlot):
         # Later micro-batches of this engine start at the size that fitted.
         self._max_rows = max(1, min(self._max_rows, len(items) // 2))
         log.warning("out of memory at %d rows; retrying at %d", len(items), len(items) // 2)
-        return self._split(items)
+        return self._split(items, admit, reference)
 
-    def _bisect(self, items: list[Prepared]) -> Run:
+    def _bisect(self, items: list[Prepared], admit: bool, reference: bool) -> Run:
         if len(items) == 1:
             log.exception("generate failed for request %s", items[0].request.id)
             return [(items[0], None, GenerationFailed("generation failed for this request"))]
         self.stats.bisections += 1
-        return self._split(items)
+        return self._split(items, admit, reference)
 
-    def _split(self, items: list[Prepared]) -> Run:
+    def _split(self, items: list[Prepared], admit: bool, reference: bool) -> Run:
         half = len(items) // 2
-        return self._run_safely(items[:half]) + self._run_safely(items[half:])
+        return self._run_safely(items[:half], None, admit, reference) + self._run_safely(
+            items[half:], None, admit, reference
+        )
 
-    def _drop_rows(self, items: list[Prepared], rows: list[int]) -> Run:
+    def _drop_rows(
+        self, items: list[Prepared], rows: list[int], admit: bool, reference: bool
+    ) -> Run:
         limit = self._ready().context_length
         failed: Run = [
             (items[i], None, PromptTooLong(f"prompt plus max_new_tokens exceeds context {limit}"))
             for i in rows
         ]
         rest = [item for i, item in enumerate(items) if i not in set(rows)]
-        return failed + (self._run_safely(rest) if rest else [])
+        return failed + (self._run_safely(rest, None, admit, reference) if rest else [])
 
     def _record(self, completions: list[Completion]) -> None:
+        """A micro-batch that ran to its end here (the loop counts its own at admission)."""
         if not completions:
             return
-        first = completions[0]
-        self.stats.micro_batches += 1
+        if completions[0].model_s is None:
+            self.stats.micro_batches += 1
+            self.stats.batch_sizes.append(completions[0].batch_size)
+            self.stats.generate_s += completions[0].generate_s
+        self._record_finished(completions)
+
+    def _record_finished(self, completions: list[Completion]) -> None:
+        """Requests the decode loop finished: its device seconds are apportioned per request."""
         self.stats.rows += len(completions)
-        self.stats.batch_sizes.append(first.batch_size)
-        self.stats.generate_s += first.generate_s
+        self.stats.generate_s += sum(c.model_s or 0.0 for c in completions)
         real = sum(c.prompt_tokens for c in completions)
         self.stats.real_prompt_tokens += real
-        self.stats.padded_prompt_tokens += round(real / first.padding_ratio)
+        self.stats.padded_prompt_tokens += sum(
+            round(c.prompt_tokens / c.padding_ratio) for c in completions if c.padding_ratio
+        )
 
     # encode ----------------------------------------------------------------
     def to_result(self, outcome: Outcome, worker: str | None = None) -> Result:
@@ -300,6 +478,8 @@ class Engine(OneSlot):
             return Result.model_validate({**record, "status": "failed", "error": error.to_dict()})
         record["timings"]["generate_s"] = round(completion.generate_s, 4)
         record["timings"]["collate_s"] = round(completion.collate_s, 4)
+        if completion.model_s is not None:
+            record["timings"]["model_s"] = round(completion.model_s, 6)
         usage = Usage(
             prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens
         )

@@ -1,9 +1,14 @@
-"""Predict step: one padded micro-batch through ``processor`` and ``model.generate``.
+"""Predict step: one padded micro-batch through ``processor`` and the model.
 
 collate (chat template, left padding; any thread, with that thread's processor) → generate
 (per-row limits, stops, sampling, penalties, constraints, logprobs; the model's thread) →
 trim each prompt → ``batch_decode(skip_special_tokens=True)``. On CUDA the collated tensors
 are pinned where they were made, so the model thread's host-to-device copy is non-blocking.
+
+Two ways to generate, one set of per-row controls (``row_specs``): the decode loop
+(decoder.py: ``admission`` hands it a micro-batch, ``completion`` turns what it finished into a
+completion) and transformers' ``generate`` with per-row logits processors (``generate``: the
+reference, ``engine.decode.mode=generate``).
 
 A request with ``n`` sampled completions is ``n`` rows of the batch (its conversation
 repeated at collation; the media cache keeps its pixels processed once), each with its own
@@ -36,13 +41,16 @@ from vlmq.workers.engine.controls import (
     RowStopper,
     completion_seed,
 )
+from vlmq.workers.engine.decoder import Admission, Finished
 from vlmq.workers.engine.interface import Collated
 from vlmq.workers.engine.logprobs import LogprobRecorder, openai_logprobs
 from vlmq.workers.engine.model import LoadedModel, eos_token_ids
 from vlmq.workers.engine.prepare import Prepared
+from vlmq.workers.engine.slot_controls import RowSpec
+from vlmq.workers.engine.stops import StopTable
 from vlmq.workers.media.pixels import Pixels
 
-__all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory"]
+__all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory", "row_specs"]
 
 
 @dataclass
@@ -56,6 +64,7 @@ class Completion:
     padding_ratio: float
     generate_s: float
     collate_s: float = 0.0
+    model_s: float | None = None  # its share of the device's work (the decode loop apportions)
 
     @property
     def token_ids(self) -> list[int]:
@@ -88,7 +97,7 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _is_oom(exc: BaseException) -> bool:
+def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc)
@@ -109,24 +118,40 @@ def _rows_of(items: Sequence[Prepared]) -> list[_Row]:
     return [_Row(i, c) for i, item in enumerate(items) for c in range(item.rows)]
 
 
-def _row_sampling(item: Prepared, copy: int) -> RowSampling | None:
+def _row_spec(item: Prepared, copy: int, fixed_output_length: bool) -> RowSpec:
+    """One row's controls, from its request (``copy``: which of its completions)."""
     params = item.request.generation
-    if not params.sampling:
-        return None
     seed = params.seed if params.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
-    temperature = 1.0 if params.temperature is None else params.temperature
-    return RowSampling(
-        temperature=temperature, top_p=params.top_p or 1.0, seed=completion_seed(seed, copy)
-    )
-
-
-def _row_penalty(item: Prepared) -> RowPenalty | None:
-    params = item.request.generation
-    penalty = RowPenalty(
+    return RowSpec(
+        max_new=item.max_new_tokens,
+        # Benchmarks: every row makes exactly its max_new_tokens (EOS held back until then).
+        min_tokens=item.max_new_tokens if fixed_output_length else params.min_tokens or 0,
+        sampled=params.sampling,
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_p=params.top_p or 1.0,
+        seed=completion_seed(seed, copy),
         repetition=params.repetition_penalty or 1.0,
         presence=params.presence_penalty or 0.0,
         frequency=params.frequency_penalty or 0.0,
+        logprobs=bool(params.logprobs),
+        stops=tuple(params.stop),
+        constrained=item.constraint is not None,
     )
+
+
+def row_specs(items: Sequence[Prepared], fixed_output_length: bool = False) -> list[RowSpec]:
+    """The controls of every row of a micro-batch, in row order."""
+    return [_row_spec(items[row.item], row.copy, fixed_output_length) for row in _rows_of(items)]
+
+
+def _row_sampling(spec: RowSpec) -> RowSampling | None:
+    if not spec.sampled:
+        return None
+    return RowSampling(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed)
+
+
+def _row_penalty(spec: RowSpec) -> RowPenalty | None:
+    penalty = RowPenalty(spec.repetition, spec.presence, spec.frequency)
     return None if penalty == RowPenalty() else penalty
 
 
@@ -160,6 +185,7 @@ class BatchRunner:
         self.grammars = GrammarBook(
             tokenizer, _vocab_size(loaded.model), self.eos_ids, grammar_cache_size
         )
+        self.stops = StopTable(self.grammars.token_bytes, _vocab_size(loaded.model))
 
     def collate(self, items: Sequence[Prepared], processor: Any) -> Collated:
         """One processor call for the whole micro-batch, left padded; pinned on CUDA."""
@@ -202,7 +228,7 @@ class BatchRunner:
         try:
             output, stopper, recorder = self._generate(items, inputs)
         except Exception as exc:
-            if _is_oom(exc):
+            if is_oom(exc):
                 raise OutOfMemory("the batch did not fit in device memory") from exc
             raise
         elapsed = time.perf_counter() - started
@@ -210,6 +236,59 @@ class BatchRunner:
         for completion in completions:
             completion.collate_s = collated.collate_s
         return completions
+
+    def admission(self, collated: Collated) -> Admission:
+        """A collated micro-batch as the decode loop takes it: on the device, with every row's
+        controls, matcher and stop-string end tokens. Raises ``RowsTooLong`` first."""
+        items = collated.items
+        self._check_context(items, collated.inputs["attention_mask"])
+        inputs = self._to_device(collated.inputs, non_blocking=collated.pinned)
+        rows = _rows_of(items)
+        specs = row_specs(items, self.fixed_output_length)
+        matchers = [
+            self.grammars.matcher(items[row.item].constraint)
+            if items[row.item].constraint is not None
+            else None
+            for row in rows
+        ]
+        stop_ends = [self.stops.ends(spec.stops) if spec.stops else None for spec in specs]
+        return Admission(
+            list(items),
+            inputs,
+            [(row.item, row.copy) for row in rows],
+            specs,
+            matchers,
+            stop_ends,
+            collated.collate_s,
+        )
+
+    def completion(self, finished: Finished) -> Completion:
+        """What the decode loop finished for one request, as the reference path returns it."""
+        item = finished.item
+        trimmed = [
+            self._trim(row.token_ids, row.stopped_at or item.max_new_tokens)
+            for row in finished.rows
+        ]
+        texts = self.loaded.tokenizer.batch_decode(
+            [ids for ids, _ in trimmed], skip_special_tokens=True
+        )
+        top = item.request.generation.top_logprobs or 0
+        choices = [
+            self._choice(
+                item, ids, text, hit_eos or row.stopped_at is not None, _top(row.logprobs, top)
+            )
+            for (ids, hit_eos), text, row in zip(trimmed, texts, finished.rows, strict=True)
+        ]
+        return Completion(
+            choices=_all_choices(item, choices),
+            prompt_tokens=finished.prompt_tokens,
+            batch_id=finished.batch_id,
+            batch_size=finished.batch_size,
+            padding_ratio=finished.padding_ratio,
+            generate_s=finished.generate_s,
+            collate_s=finished.collate_s,
+            model_s=finished.model_s,
+        )
 
     def _check_context(self, items: Sequence[Prepared], attention_mask: torch.Tensor) -> None:
         lengths = attention_mask.sum(dim=1).tolist()
@@ -237,19 +316,19 @@ class BatchRunner:
     def _generate(
         self, items: Sequence[Prepared], inputs: dict[str, Any]
     ) -> tuple[Any, RowStopper, LogprobRecorder]:
-        tokenizer = self.loaded.tokenizer
         prompt_length = inputs["input_ids"].shape[1]
         rows = _rows_of(items)
         row_items = [items[row.item] for row in rows]
+        specs = row_specs(items)
         stopper = RowStopper(
             prompt_length,
-            [item.max_new_tokens for item in row_items],
-            [item.request.generation.stop for item in row_items],
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            [item.request.generation.min_tokens or 0 for item in row_items],
+            [spec.max_new for spec in specs],
+            [spec.stops for spec in specs],
+            self._decode,
+            [spec.min_tokens for spec in specs],
         )
         recorder = LogprobRecorder([_top_logprobs(item) for item in row_items])
-        processors = self._processors(rows, row_items, inputs, recorder)
+        processors = self._processors(specs, row_items, inputs, recorder)
         longest = max(item.max_new_tokens for item in items)
         with torch.inference_mode():
             output = self.loaded.model.generate(
@@ -271,7 +350,7 @@ class BatchRunner:
 
     def _processors(
         self,
-        rows: list[_Row],
+        specs: list[RowSpec],
         row_items: list[Prepared],
         inputs: dict[str, Any],
         recorder: LogprobRecorder,
@@ -281,11 +360,11 @@ class BatchRunner:
         processors = LogitsProcessorList()
         if recorder.rows:
             processors.append(recorder)
-        penalties = [_row_penalty(item) for item in row_items]
+        penalties = [_row_penalty(spec) for spec in specs]
         if any(penalties):
             mask = inputs["attention_mask"]
             processors.append(RowPenalties(penalties, inputs["input_ids"], mask))
-        min_tokens = [item.request.generation.min_tokens or 0 for item in row_items]
+        min_tokens = [spec.min_tokens for spec in specs]
         if any(min_tokens) and not self.fixed_output_length:
             processors.append(RowMinTokens(min_tokens, self.eos_ids))
         constraints = None
@@ -301,9 +380,7 @@ class BatchRunner:
                 overlap=self.overlap_masks,
             )
             processors.append(constraints)
-        sampling = [
-            _row_sampling(item, row.copy) for row, item in zip(rows, row_items, strict=True)
-        ]
+        sampling = [_row_sampling(spec) for spec in specs]
         if any(sampling):
             processors.append(RowSampler(sampling))
         if constraints is not None and constraints.committer is not None:
@@ -384,6 +461,10 @@ class BatchRunner:
     def _decode(self, ids: list[int]) -> str:
         return str(self.loaded.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def decode_text(self, ids: list[int]) -> str:
+        """A row's tokens as text (stop strings are looked for in it)."""
+        return self._decode(ids)
+
     def _token_bytes(self, token_id: int) -> bytes:
         return self.grammars.token_bytes(token_id)
 
@@ -413,6 +494,13 @@ def _all_choices(item: Prepared, choices: list[Generated]) -> list[Generated]:
     if len(choices) < wanted:
         choices = choices + [replace(choices[0]) for _ in range(wanted - len(choices))]
     return choices
+
+
+def _top(steps: list[dict[str, Any]] | None, k: int) -> list[dict[str, Any]] | None:
+    """A row's logprob steps with its own number of alternatives (the loop keeps more)."""
+    if steps is None:
+        return None
+    return [{**step, "top": step["top"][:k]} for step in steps]
 
 
 def _vocab_size(model: Any) -> int:

@@ -8,6 +8,7 @@ redeliveries and dead letters. Fed by the batch loop's observer hooks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -121,10 +122,41 @@ class WorkerMetrics(LoopObserver):
             "Media loaded for tasks, by where they came from (decoded here, frame store, cache)",
             ["modality", "source"],
         )
+        self.device_seconds = counter(
+            "vlmq_device_seconds",
+            "The device's own time (CUDA events; the host's on CPU) by work: prefill, decode "
+            "(replayed graphs: kernel time), decode_eager (eager steps: an upper bound)",
+            ["work"],
+        )
+        self.gpu_busy = Gauge(
+            "vlmq_gpu_busy_ratio",
+            "The device's own time over wall time since the last heartbeat (prefill and decode)",
+            [],
+            registry=registry,
+        )
+        self.decode_steps = counter(
+            "vlmq_decode_steps", "Decode loop steps, replayed as CUDA graphs or eager", ["path"]
+        )
+        self.decode_slot_steps = counter(
+            "vlmq_decode_slot_steps", "Slots x steps the decode loop ran (first tokens included)", []
+        )
+        self.decode_useful = counter(
+            "vlmq_decode_useful_tokens",
+            "Tokens that reached an output (over vlmq_decode_slot_steps: the loop's useful share)",
+            [],
+        )
+        self.decode_generate = counter(
+            "vlmq_decode_generate_batches",
+            "Micro-batches the decode loop could not hold (longer than its slots), run by "
+            "transformers' generate",
+            [],
+        )
         self._cache_seen = (0, 0, 0)
         self._busy_seen: dict[str, float] = {}
         self._wall_seen = 0.0
         self._oom_seen = 0
+        self._engine_seen: dict[str, float] = {}
+        self._engine_wall: float | None = None
 
     def batch(self, modality: str, size: int, max_size: int, redelivered: int) -> None:
         self.batch_size.labels(modality).observe(size)
@@ -213,3 +245,32 @@ class WorkerMetrics(LoopObserver):
         self.cache_evictions.inc(max(0, cache.evictions - evictions))
         self.cache_bytes.set(cache.bytes)
         self._cache_seen = (cache.hits, cache.misses, cache.evictions)
+        self._decode(stats)
+
+    def _decode(self, stats: EngineStats) -> None:
+        """The decode loop's counters and the device's own time, as increases."""
+        now = time.monotonic()
+        device = dict(stats.device_s)
+        totals: dict[str, float] = {f"device:{k}": v for k, v in device.items()}
+        totals["generate_fallbacks"] = stats.generate_fallbacks
+        decode = stats.decode
+        if decode is not None:
+            totals |= {
+                "slot_steps": decode.row_steps,
+                "useful": decode.useful_steps,
+                "graph_steps": decode.graph_steps,
+                "eager_steps": decode.steps - decode.graph_steps,
+            }
+        grown = {k: v - self._engine_seen.get(k, 0.0) for k, v in totals.items()}
+        for work in device:
+            self.device_seconds.labels(work).inc(max(0.0, grown[f"device:{work}"]))
+        self.decode_generate.inc(max(0.0, grown["generate_fallbacks"]))
+        if decode is not None:
+            self.decode_slot_steps.inc(max(0.0, grown["slot_steps"]))
+            self.decode_useful.inc(max(0.0, grown["useful"]))
+            self.decode_steps.labels("graph").inc(max(0.0, grown["graph_steps"]))
+            self.decode_steps.labels("eager").inc(max(0.0, grown["eager_steps"]))
+        if self._engine_wall is not None and now > self._engine_wall:
+            busy = sum(max(0.0, grown[f"device:{w}"]) for w in device)
+            self.gpu_busy.set(min(1.0, busy / (now - self._engine_wall)))
+        self._engine_seen, self._engine_wall = totals, now

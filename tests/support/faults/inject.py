@@ -108,20 +108,27 @@ def _runner_patches(faults: Faults) -> list[Patch]:
         return []
     from vlmq.workers.engine.runner import BatchRunner
 
-    generate = BatchRunner.generate
+    def faulty(method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (a micro-batch entering the model: transformers' generate, or the decode
+        loop's admission), failing as the faults say."""
 
-    def faulty_generate(self: BatchRunner, collated: Any) -> Any:
-        requests = [item.request for item in collated.items]
-        limit = faults.oom_above_batch
-        if limit is not None and len(requests) > limit:
-            raise OutOfMemory(f"injected: batch of {len(requests)} above {limit}")
-        marker = faults.poison_marker
-        if marker and any(marker in _text(r) for r in requests):
-            raise InjectedFault("injected poison request")
-        _crash_if_marked(faults.crash_marker, requests)
-        return generate(self, collated)
+        def entered(self: BatchRunner, collated: Any) -> Any:
+            requests = [item.request for item in collated.items]
+            limit = faults.oom_above_batch
+            if limit is not None and len(requests) > limit:
+                raise OutOfMemory(f"injected: batch of {len(requests)} above {limit}")
+            marker = faults.poison_marker
+            if marker and any(marker in _text(r) for r in requests):
+                raise InjectedFault("injected poison request")
+            _crash_if_marked(faults.crash_marker, requests)
+            return method(self, collated)
 
-    return [(BatchRunner, "generate", faulty_generate)]
+        return entered
+
+    return [
+        (BatchRunner, "generate", faulty(BatchRunner.generate)),
+        (BatchRunner, "admission", faulty(BatchRunner.admission)),
+    ]
 
 
 def _noop_patches(faults: Faults) -> list[Patch]:

@@ -1,0 +1,219 @@
+"""The decode loop against transformers' generate, side by side in one process.
+
+    python -m bench.decode [--family qwen2_5_vl] [--size small] [--rows 32] [--new-tokens 32]
+        [--rounds 3] [--workdir .vlmq/bench] [--write bench/README.md]
+
+1. **Host time per decode step** at ``--rows`` (greedy text, fixed output length, the same
+   collated batch): plain ``model.generate`` (no vlmq processors), vlmq's generate path
+   (``engine.decode.mode=generate``: per-row logits processors and stopping criteria) and the
+   decode loop (eager: this machine has no GPU). A step's cost is (a run of N new tokens - a run
+   of 1) / (N - 1): the prefill is taken out. Wall and process CPU per step; each round runs the
+   three one after the other; the ratios are taken within a round.
+2. **Decode waste** on a workload whose output lengths vary 4x (``--rows`` x 4 requests,
+   max_new_tokens drawn from [new/2, 2 new]): useful tokens over the slot-steps paid, static
+   micro-batches (each decodes to its longest row) against in-flight slots (a finished row's slot
+   takes the next micro-batch's row), with tokens/s.
+
+On CPU "host time" is all the time: the host computes the model too. What the loop removes on
+a GPU (a launch per kernel, a sync per step, work per row on the host) is in docs/engines.md
+("Where a step goes"), from ``python -m bench.decode_profile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import machine, replace_section, require_success
+from vlmq.config.schemas import Request
+from vlmq.config.settings import DecodeSettings, EngineSettings, MediaSettings
+
+MARKER = "decode"
+
+
+@dataclass
+class StepCost:
+    wall_ms: float
+    cpu_ms: float
+
+
+def _text_requests(n: int, new_tokens: list[int], seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    words = ["queue", "batch", "token", "worker", "model", "slot", "cache", "graph", "step"]
+    return [
+        Request.model_validate(
+            {
+                "custom_id": f"r{i}",
+                "messages": [
+                    {"role": "user", "content": " ".join(rng.choice(words) for _ in range(12))}
+                ],
+                "max_new_tokens": new_tokens[i],
+            }
+        )
+        for i in range(n)
+    ]
+
+
+def _timed(run: Any) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _step_cost(run: Any, new_tokens: int) -> StepCost:
+    """(N tokens - 1 token) / (N - 1): the decode steps without the prefill."""
+    long_wall, long_cpu = _timed(lambda: run(new_tokens))
+    short_wall, short_cpu = _timed(lambda: run(1))
+    steps = new_tokens - 1
+    return StepCost(
+        1000 * (long_wall - short_wall) / steps, 1000 * (long_cpu - short_cpu) / steps
+    )
+
+
+def host_time_round(engine: Any, rows: int, new_tokens: int) -> dict[str, StepCost]:
+    """One round of the three ways to decode the same collated batch."""
+    requests = _text_requests(rows, [new_tokens] * rows)
+    prepared = [engine.prepare(r) for r in requests]
+    collated = engine.collate(prepared)
+    model, runner = engine.loaded.model, engine._runner
+    inputs = runner._to_device(collated.inputs)
+
+    def plain(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(
+                **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=runner.pad_id,
+            )
+
+    def with_max(n: int) -> list[Any]:
+        return [replace(p, max_new_tokens=n) for p in prepared]
+
+    def vlmq(mode: str) -> Any:
+        def run(n: int) -> None:
+            engine.set_decode(mode=mode, inflight=False)
+            outcomes = engine.generate(engine.collate(with_max(n)))
+            assert all(o.error is None for o in outcomes), outcomes[0].error
+
+        return run
+
+    costs = {}
+    for name, run in (("plain", plain), ("generate", vlmq("generate")), ("loop", vlmq("loop"))):
+        run(2)  # warm: the first call of a path pays one-time setup
+        costs[name] = _step_cost(run, new_tokens)
+    return costs
+
+
+def waste_round(engine: Any, rows: int, new_tokens: int) -> dict[str, dict[str, float]]:
+    """Static micro-batches against in-flight slots on outputs that vary 4x."""
+    rng = random.Random(1)
+    count = rows * 4
+    lengths = [rng.randint(new_tokens // 2, new_tokens * 2) for _ in range(count)]
+    requests = _text_requests(count, lengths, seed=1)
+    found = {}
+    for name, inflight in (("static", False), ("in flight", True)):
+        engine.set_decode(mode="loop", inflight=inflight, slots=rows)
+        engine.run(requests[:rows])  # warm
+        decode = engine.decoder.stats
+        before = (decode.row_steps, decode.useful_steps)
+        started = time.perf_counter()
+        results = engine.run(requests)
+        elapsed = time.perf_counter() - started
+        require_success(results)
+        tokens = sum(r.usage.completion_tokens for r in results)
+        slot_steps = decode.row_steps - before[0]
+        useful = decode.useful_steps - before[1]
+        found[name] = {"useful": useful / slot_steps, "tok_s": tokens / elapsed}
+    return found
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def render(args: argparse.Namespace, hosts: list[dict[str, StepCost]], wastes: list[Any]) -> str:
+    lines = [
+        f"`python -m bench.decode --family {args.family} --size {args.size} --rows {args.rows} "
+        f"--new-tokens {args.new_tokens} --rounds {args.rounds}`; {machine()}. Median of "
+        f"{args.rounds} rounds (min-max).",
+        "",
+        f"Host time per decode step, {args.rows} rows, greedy text, fp32 (CPU: the host "
+        "computes the model too):",
+        "",
+        "| path | ms per step (wall) | CPU ms per step | wall / plain generate |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, label in (
+        ("plain", "transformers `generate`, no vlmq processors"),
+        ("generate", "vlmq's generate path (per-row processors)"),
+        ("loop", "vlmq's decode loop (eager)"),
+    ):
+        walls = [h[name].wall_ms for h in hosts]
+        cpus = [h[name].cpu_ms for h in hosts]
+        ratios = [h[name].wall_ms / h["plain"].wall_ms for h in hosts]
+        lines.append(f"| {label} | {_spread(walls)} | {_spread(cpus)} | {_spread(ratios)} |")
+    lines += [
+        "",
+        f"Decode waste, {args.rows * 4} requests whose max_new_tokens vary 4x "
+        f"({args.new_tokens // 2}-{args.new_tokens * 2}), fixed output lengths, {args.rows} "
+        "rows at once:",
+        "",
+        "| decoding | useful tokens / slot-steps | generated tok/s |",
+        "| --- | ---: | ---: |",
+    ]
+    for name in ("static", "in flight"):
+        useful = [w[name]["useful"] for w in wastes]
+        rates = [w[name]["tok_s"] for w in wastes]
+        lines.append(f"| {name} | {_spread(useful)} | {_spread(rates)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen2_5_vl")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workdir", default=".vlmq/bench")
+    parser.add_argument("--write", default="bench/README.md", help="'' to print only")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    folder = Path(args.workdir).resolve() / f"{args.family}-{args.size}"
+    if not (folder / "config.json").exists():
+        from vlmq.workers.demo.tiny import build_tiny_model
+
+        build_tiny_model(folder, args.family, size=args.size)
+    from vlmq.workers.engine import Engine
+
+    settings = EngineSettings(
+        max_batch_size=args.rows,
+        fixed_output_length=True,
+        decode=DecodeSettings(slots=args.rows),
+    )
+    engine = Engine(str(folder), settings, MediaSettings()).setup()
+    hosts, wastes = [], []
+    for round_ in range(args.rounds):
+        hosts.append(host_time_round(engine, args.rows, args.new_tokens))
+        wastes.append(waste_round(engine, args.rows, args.new_tokens))
+        print(f"round {round_ + 1}: " + json.dumps(
+            {k: round(v.wall_ms, 2) for k, v in hosts[-1].items()} | wastes[-1]
+        ), flush=True)
+    table = render(args, hosts, wastes)
+    print(table)
+    if args.write:
+        replace_section(Path(args.write), MARKER, table)
+
+
+if __name__ == "__main__":
+    main()

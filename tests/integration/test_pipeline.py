@@ -18,6 +18,7 @@ from tests.support.services import wait_until
 from vlmq.config.schemas import Request
 from vlmq.config.settings import (
     BatchPolicy,
+    DecodeSettings,
     EngineSettings,
     MediaSettings,
     Settings,
@@ -226,7 +227,10 @@ def test_large_images_prefetch_within_the_byte_budget(
         downscale_at_decode=False,
         cache_bytes=0,
     )
-    engine = GatedHFEngine(model, EngineSettings(), media).setup()
+    # Static micro-batches: a continuous engine takes rows in while others decode (up to its
+    # slots, beyond the prefetch), and this is about what the pipeline holds ahead of it.
+    static = EngineSettings(decode=DecodeSettings(inflight=False))
+    engine = GatedHFEngine(model, static, media).setup()
     engine.gate = threading.Event()
     client = Client(settings.model_copy(update={"media": media}))  # read in place, unstaged
     items = [

@@ -138,7 +138,9 @@ class WorkerMetrics(LoopObserver):
             "vlmq_decode_steps", "Decode loop steps, replayed as CUDA graphs or eager", ["path"]
         )
         self.decode_slot_steps = counter(
-            "vlmq_decode_slot_steps", "Slots x steps the decode loop ran (first tokens included)", []
+            "vlmq_decode_slot_steps",
+            "Slots x steps the decode loop computed (first tokens included)",
+            [],
         )
         self.decode_useful = counter(
             "vlmq_decode_useful_tokens",

@@ -86,18 +86,19 @@ bench: setup
 	$(BIN)/python -m bench.report
 
 # The GPU machine's image (Python 3.12, torch 2.11, transformers 5.17, no network) lacks these
-# packages that `bash bench/gpu.sh --media` imports (found by importing it in a venv with the
-# machine's packages); pinned to the versions the worker extra resolves here. No redis, celery
-# or boto3: the check runs in one process. llguidance: the engine builds its constraint view at
-# load (its wheel is manylinux_2_31: glibc 2.31 or newer; Python 3.12.3 there is Ubuntu 24.04's).
+# packages that `bash bench/gpu.sh` imports (found by importing it in a venv with the machine's
+# packages); pinned to the versions the worker extra resolves here. No redis, celery or boto3:
+# the checks run in one process. llguidance: the engine builds its constraint view at load (its
+# wheel is manylinux_2_31: glibc 2.31 or newer; Python 3.12.3 there is Ubuntu 24.04's).
+# nvidia-ml-py: NVML's utilisation for the GPU-busy figures (torch.cuda.utilization).
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 \
 	python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 av==18.1.0 \
-	zstandard==0.25.0 xxhash==4.1.0 llguidance==1.9.1
+	zstandard==0.25.0 xxhash==4.1.0 llguidance==1.9.1 nvidia-ml-py==13.615.71
 GPU_WHEELS_DIR := .whl
 GPU_WHEELS_MAX_MIB := 60
 GPU_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
 
-## gpu-wheels: the wheels the GPU machine lacks for `bash bench/gpu.sh --media` (CPython 3.12, x86-64) into .whl/; fails over 60 MiB
+## gpu-wheels: the wheels the GPU machine lacks for `bash bench/gpu.sh` (CPython 3.12, x86-64) into .whl/; fails over 60 MiB
 gpu-wheels:
 	rm -rf $(GPU_WHEELS_DIR)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

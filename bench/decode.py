@@ -73,9 +73,7 @@ def _step_cost(run: Any, new_tokens: int) -> StepCost:
     long_wall, long_cpu = _timed(lambda: run(new_tokens))
     short_wall, short_cpu = _timed(lambda: run(1))
     steps = new_tokens - 1
-    return StepCost(
-        1000 * (long_wall - short_wall) / steps, 1000 * (long_cpu - short_cpu) / steps
-    )
+    return StepCost(1000 * (long_wall - short_wall) / steps, 1000 * (long_cpu - short_cpu) / steps)
 
 
 def host_time_round(engine: Any, rows: int, new_tokens: int) -> dict[str, StepCost]:
@@ -89,7 +87,10 @@ def host_time_round(engine: Any, rows: int, new_tokens: int) -> dict[str, StepCo
     def plain(n: int) -> None:
         with torch.inference_mode():
             model.generate(
-                **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                **inputs,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
                 pad_token_id=runner.pad_id,
             )
 
@@ -206,9 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(args.rounds):
         hosts.append(host_time_round(engine, args.rows, args.new_tokens))
         wastes.append(waste_round(engine, args.rows, args.new_tokens))
-        print(f"round {round_ + 1}: " + json.dumps(
-            {k: round(v.wall_ms, 2) for k, v in hosts[-1].items()} | wastes[-1]
-        ), flush=True)
+        print(
+            f"round {round_ + 1}: "
+            + json.dumps({k: round(v.wall_ms, 2) for k, v in hosts[-1].items()} | wastes[-1]),
+            flush=True,
+        )
     table = render(args, hosts, wastes)
     print(table)
     if args.write:

@@ -58,9 +58,7 @@ def _profile(name: str, run: Any, steps: int, top: int, cuda: bool) -> PathProfi
         if cuda and event.key.startswith("cudaMemcpy"):
             syncs[event.key] += event.count
     host_us = sum(e.self_cpu_time_total for e in events)
-    device_us = (
-        sum(getattr(e, "self_device_time_total", 0) for e in events) if cuda else None
-    )
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) if cuda else None
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return PathProfile(
         name,
@@ -82,8 +80,11 @@ def profiles(engine: Any, rows: int, new_tokens: int, top: int) -> list[PathProf
     def plain() -> None:
         with torch.inference_mode():
             model.generate(
-                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=runner.pad_id,
+                **inputs,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=runner.pad_id,
             )
 
     def vlmq(mode: str) -> Any:
@@ -94,8 +95,11 @@ def profiles(engine: Any, rows: int, new_tokens: int, top: int) -> list[PathProf
 
         return run
 
-    paths = (("plain generate", plain), ("vlmq generate path", vlmq("generate")),
-             ("vlmq decode loop", vlmq("loop")))
+    paths = (
+        ("plain generate", plain),
+        ("vlmq generate path", vlmq("generate")),
+        ("vlmq decode loop", vlmq("loop")),
+    )
     return [_profile(name, run, new_tokens, top, cuda) for name, run in paths]
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU run: real-dimension random-weight Qwen2.5-VL-3B / Qwen3-VL-2B / InternVL3-2B-hf checkpoints,
-# bf16 batched generation with SDPA (and flash_attention_2 when flash_attn is importable), per
-# modality, batch size 1 vs a large batch. Writes bench/GPU.md by default (--write FILE, or
-# --write '' for none). Needs nothing from the network; fits in 8 minutes on one H200
-# (--time-budget-s, default 420, plus a hard stop at VLMQ_GPU_HARD_TIMEOUT_S, default 470).
+# bf16, transformers' generate beside the decode loop (CUDA graphs) per family, modality and
+# batch size (text 1/8/32/64, image and video 1/8/32), with tok/s, ms per step, GPU busy, the
+# memory roofline's share and the prefill's FLOP rate. Writes bench/GPU.md by default (--write
+# FILE, or --write '' for none) and, with $OUT set (a device call), progress lines to
+# $OUT/gpu-progress.log as they happen. Needs nothing from the network; fits in 7 minutes on one
+# H200 (--time-budget-s, default 400, plus a hard stop at VLMQ_GPU_HARD_TIMEOUT_S, default 430).
 #
 #   bash bench/gpu.sh                 # on a CUDA machine
 #   bash bench/gpu.sh --cpu-smoke     # same code path on CPU: tiny dims, fp32, < 60 s
@@ -12,10 +14,11 @@
 #   bash bench/gpu.sh --media         # media on the GPU and the prepare tier (bench.gpu_media)
 #   bash bench/gpu.sh --media --cpu-smoke
 #
-# --media runs on the GPU machine's image as it is: `make gpu-wheels` (here) puts the wheels
-# it lacks (pydantic, pydantic-settings, av, zstandard, xxhash, llguidance) in .whl/, which travels;
-# when the Python here cannot import them, they are installed into a temporary target
-# ($VLMQ_GPU_SITE, default /tmp/vlmq-site) put first on PYTHONPATH. PYTHON=... picks the Python.
+# Every mode runs on the GPU machine's image as it is: `make gpu-wheels` (here) puts the wheels
+# it lacks (pydantic, pydantic-settings, av, zstandard, xxhash, llguidance, nvidia-ml-py) in
+# .whl/, which travels; when the Python here cannot import them, they are installed into a
+# temporary target ($VLMQ_GPU_SITE, default /tmp/vlmq-site) put first on PYTHONPATH.
+# PYTHON=... picks the Python.
 #
 # Other options: python -m bench.gpu_bench --help, python -m bench.gpu_media --help
 set -euo pipefail
@@ -37,6 +40,28 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
+# The GPU machine's image lacks pydantic, PyAV, llguidance, pynvml...: install the wheels that
+# `make gpu-wheels` put in .whl/ into a temporary target, first on PYTHONPATH.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PYTHON" -c 'import pydantic, pydantic_settings, av, zstandard, xxhash, llguidance, pynvml' 2>/dev/null; then
+    wheels=(.whl/*.whl)
+    if [[ ! -e "${wheels[0]}" ]]; then
+        echo "gpu.sh: $PYTHON lacks pydantic, pydantic-settings, av, zstandard, xxhash, llguidance or pynvml and .whl/ has no wheels: run 'make gpu-wheels' where pip works" >&2
+        exit 2
+    fi
+    site="${VLMQ_GPU_SITE:-/tmp/vlmq-site}"
+    echo "[$(date +%H:%M:%S)] installing ${#wheels[@]} wheels from .whl/ into $site"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
+    export PYTHONPATH="$site:$PYTHONPATH"
+fi
+
+# Progress lines go straight to a file under $OUT (the device tool's output folder) as they
+# happen: a pipe through grep buffers, and a run cut at its limit would leave nothing.
+progress=()
+if [[ -n "${OUT:-}" ]]; then
+    progress=(--progress "$OUT/gpu-progress.log")
+fi
+
 if [[ "${1:-}" == "--engines" ]]; then
     shift
     # Same requests through the HF engine and vLLM (continuous batching), real dimensions, bf16;
@@ -48,23 +73,11 @@ fi
 
 if [[ "${1:-}" == "--media" ]]; then
     shift
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    if ! "$PYTHON" -c 'import pydantic, pydantic_settings, av, zstandard, xxhash, llguidance' 2>/dev/null; then
-        wheels=(.whl/*.whl)
-        if [[ ! -e "${wheels[0]}" ]]; then
-            echo "gpu.sh: $PYTHON lacks pydantic, pydantic-settings, av, zstandard, xxhash or llguidance and .whl/ has no wheels: run 'make gpu-wheels' where pip works" >&2
-            exit 2
-        fi
-        site="${VLMQ_GPU_SITE:-/tmp/vlmq-site}"
-        echo "[$(date +%H:%M:%S)] installing ${#wheels[@]} wheels from .whl/ into $site"
-        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
-        export PYTHONPATH="$site:$PYTHONPATH"
-    fi
     echo "[$(date +%H:%M:%S)] PYTHONPATH=$PYTHONPATH $PYTHON -m bench.gpu_media $*"
     exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
         "$PYTHON" -m bench.gpu_media "$@"
 fi
 
-echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench $*"
-exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
-    "$PYTHON" -m bench.gpu_bench "$@"
+echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench ${progress[*]} $*"
+exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-430}" \
+    "$PYTHON" -m bench.gpu_bench "${progress[@]}" "$@"

@@ -1,8 +1,10 @@
-"""bench.gpu_bench: the CPU smoke run of the GPU benchmark, its budget and its flash-attn refusal.
+"""bench.gpu_bench: the CPU smoke run of the GPU benchmark, its budget, its progress file and
+its flash-attn refusal.
 
-The smoke run is the GPU run's code path (fast checkpoint build, engine load by path, warm-up,
-batch size 1 vs a large batch per modality, markdown report) with tiny dimensions, fp32 and SDPA
-on CPU. It runs once per module, in-process, with flash_attn reported missing.
+The smoke run is the GPU run's code path (fast checkpoint build, engine load by path, the same
+collated batch through transformers' generate and the decode loop per family, modality and batch
+size, the roofline yardsticks, markdown report) with tiny dimensions, fp32 and SDPA on CPU. It
+runs once per module, in-process, with flash_attn reported missing.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ ROOT = Path(__file__).resolve().parents[2]
 REAL_PARAMS_B = {"qwen2_5_vl": (3.6, 3.9), "qwen3_vl": (2.0, 2.3), "internvl": (2.0, 2.2)}
 ROW = re.compile(
     r"^\| (?P<model>[^|]+) \| (?P<attn>sdpa|flash_attention_2|eager) \| "
-    r"(?P<modality>text|image|video) \| (?P<bs>\d+) \|",
+    r"(?P<modality>text|image|video) \| (?P<bs>\d+) \| (?P<path>generate|loop) \|",
     re.MULTILINE,
 )
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """Run ``--cpu-smoke`` once with flash_attn reported missing; return (report, stdout)."""
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
+    """Run ``--cpu-smoke`` once with flash_attn reported missing; return (report, stdout,
+    progress file)."""
     workdir = tmp_path_factory.mktemp("gpu-smoke")
     out = workdir / "GPU.md"
+    progress = workdir / "progress.log"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu_bench, "flash_attention_available", lambda: False)
         buffer = io.StringIO()
@@ -51,25 +55,31 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
                     str(out),
                     "--time-budget-s",
                     "600",
+                    "--progress",
+                    str(progress),
                 ]
             )
     assert code == 0
-    return out.read_text(encoding="utf-8"), buffer.getvalue()
+    return out.read_text(encoding="utf-8"), buffer.getvalue(), progress.read_text()
 
 
-def _rows(report: str) -> set[tuple[str, str, str, int]]:
+def _rows(report: str) -> set[tuple[str, str, str, int, str]]:
     return {
-        (m["model"].strip(), m["attn"], m["modality"], int(m["bs"])) for m in ROW.finditer(report)
+        (m["model"].strip(), m["attn"], m["modality"], int(m["bs"]), m["path"])
+        for m in ROW.finditer(report)
     }
 
 
-def test_smoke_has_a_row_per_model_modality_and_batch_size(smoke: tuple[str, str]) -> None:
-    report, _ = smoke
+def test_smoke_has_a_row_per_model_modality_batch_size_and_path(
+    smoke: tuple[str, str, str],
+) -> None:
+    report, _, _ = smoke
     expected = {
-        (f"{family}-tiny", "sdpa", kind, bs)
+        (f"{family}-tiny", "sdpa", kind, bs, path)
         for family in FAMILIES
-        for kind, large in gpu_bench.SMOKE_BATCH.items()
-        for bs in (1, large)
+        for kind, sizes in gpu_bench.SMOKE_BATCH.items()
+        for bs in sizes
+        for path in gpu_bench.PATHS
     }
     assert _rows(report) == expected
     assert "<!-- gpu:start -->" in report and "<!-- gpu:end -->" in report
@@ -77,26 +87,32 @@ def test_smoke_has_a_row_per_model_modality_and_batch_size(smoke: tuple[str, str
     assert "Failed:" not in report
 
 
-def test_smoke_skips_flash_attention_when_flash_attn_is_missing(smoke: tuple[str, str]) -> None:
-    report, stdout = smoke
-    assert not any(attn == "flash_attention_2" for _, attn, _, _ in _rows(report))
+def test_smoke_skips_flash_attention_when_flash_attn_is_missing(
+    smoke: tuple[str, str, str],
+) -> None:
+    report, stdout, _ = smoke
+    assert not any(attn == "flash_attention_2" for _, attn, _, _, _ in _rows(report))
     line = "flash_attention_2: skipped for every model: flash_attn is not importable"
     assert line in report
     assert line in stdout
 
 
-def test_smoke_reports_speedups_and_fixed_lengths(smoke: tuple[str, str]) -> None:
-    report, _ = smoke
+def test_smoke_reports_each_path_beside_generate(smoke: tuple[str, str, str]) -> None:
+    report, _, progress = smoke
     lines = [line for line in report.splitlines() if ROW.match(line)]
-    plan = gpu_bench.smoke_plan(Path("unused"))
     for line in lines:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        requests_per_s, tokens_per_s = float(cells[6]), float(cells[7])
-        # Fixed output lengths: every request generates exactly new_tokens tokens
-        # (a ratio of two rates: the rounded seconds column is too coarse here).
-        assert tokens_per_s / requests_per_s == pytest.approx(plan.new_tokens, rel=0.05)
-        assert cells[9].endswith("x")
-        assert cells[8] == "-"  # no GPU memory on CPU
+        path, busy, speedup, peak = cells[4], cells[7], cells[13], cells[12]
+        assert float(cells[5]) > 0  # generated tok/s
+        assert peak == "-"  # no GPU memory on CPU
+        if path == "generate":
+            assert busy == "-" and speedup == "-"
+        else:  # the loop's own device time (the host's, on CPU) over wall, and its ratio
+            assert 0 < float(busy) <= 1.0 and speedup.endswith("x")
+    assert "Memory bandwidth (a copy, measured in this run)" in report
+    # Every progress line went to the file as it happened, the last one included.
+    assert "memory bandwidth" in progress and progress.rstrip().endswith("done")
+    assert sum("tok/s" in line for line in progress.splitlines()) == len(lines)
 
 
 def test_flash_skip_reasons() -> None:

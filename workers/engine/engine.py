@@ -155,12 +155,17 @@ class Engine(OneSlot):
         loaded model."""
         if self.pending:
             raise RuntimeError("set_decode with requests in flight")
-        decode = self.settings.decode.model_copy(update=fields)
+        before = self.settings.decode
+        decode = before.model_copy(update=fields)
         self.settings = self.settings.model_copy(update={"decode": decode})
         self.capabilities = CONTINUOUS if decode.mode == "loop" and decode.inflight else STATIC
         self._max_rows = min(self.settings.max_batch_size, decode.slots or (1 << 30))
-        if self.loaded is not None:
-            self._build_decoder()
+        # The loop is kept (with its cache and captured graphs) unless what shapes it changed.
+        kept = {"mode", "inflight", "poll_steps"}
+        same = before.model_dump(exclude=kept) == decode.model_dump(exclude=kept)
+        if self.loaded is not None and decode.mode == "loop":
+            if not (same and self.decoder is not None):
+                self._build_decoder()
 
     def _build_decoder(self) -> None:
         self.decoder = None
@@ -381,7 +386,7 @@ class Engine(OneSlot):
         self, collated: Collated, admit: bool, reference: bool
     ) -> list[Completion] | None:
         decoder = self.decoder
-        if decoder is None or reference:
+        if decoder is None or reference or self.settings.decode.mode != "loop":
             return self._runner.generate(collated)
         try:
             admission = self._runner.admission(collated)

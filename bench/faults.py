@@ -2,6 +2,7 @@
 
     python -m bench.faults [--quick] [--write docs/reliability.md]
     python -m bench.faults --drill replies [--repeats 3] [--quick] [--write docs/reliability.md]
+    python -m bench.faults --drill prepare [--repeats 3] [--write docs/reliability.md]
 
 Real redis-server, moto's S3 server behind a breakable TCP proxy, and real
 ``vlmq worker`` processes (the no-op engine for delivery faults, the tiny
@@ -159,6 +160,85 @@ def reply_drill(repeats: int, quick: bool) -> list[dict[str, Any]]:
     return runs
 
 
+PREPARE_DRILL = {"batch_mates": 7, "restart_tasks": 12, "revokes": 20}
+PREPARE_OUTAGE_S = 4.0
+
+
+def prepare_drill(repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """The prepare tier's and Celery records' faults (tests/support/faults/prepare.py), each
+    on a fleet of its own (a private Redis, moto), ``repeats`` times: a photo that kills
+    every prepare worker preparing it, a Redis restart under a prepare worker, Celery revokes
+    heard by a prepare worker and a GPU worker."""
+    from tests.support.faults import prepare
+    from tests.support.fleet import Processes
+    from tests.support.services import MotoServer, RedisServer
+    from vlmq.workers.demo.tiny import build_tiny_model
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "qwen", "qwen2_5_vl"))
+    sizes = PREPARE_DRILL
+    scenarios_run: dict[str, Callable[[Processes, Any], dict[str, Any]]] = {
+        "a photo that kills the prepare worker, 7 batch-mates": lambda fleet, _: (
+            prepare.killer_in_the_prepare_tier(
+                fleet, fleet.celery_app(), sizes["batch_mates"], {}, most_deaths=8
+            )
+        ),
+        "Redis killed for 4 s under a prepare worker": lambda fleet, server: (
+            prepare.redis_restart_under_prepare_workers(
+                fleet, server, sizes["restart_tasks"], PREPARE_OUTAGE_S
+            )
+        ),
+        "20 Celery revokes, a prepare and a GPU worker listening": lambda fleet, _: (
+            prepare.revokes_heard_by_prepare_workers(fleet, fleet.celery_app(), sizes["revokes"])
+        ),
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios_run}
+    for _ in range(repeats):
+        for name, scenario in scenarios_run.items():
+            workdir = Path(tempfile.mkdtemp(prefix="vlmq-prepare-drill-"))
+            redis, moto = RedisServer(workdir / "redis"), MotoServer()
+            started = time.monotonic()
+            try:
+                redis.start()
+                moto.start()
+                fleet = Processes(
+                    redis.url,
+                    moto,
+                    workdir,
+                    VLMQ_MODEL=model,
+                    VLMQ_WORKER__PREPROCESS_WORKERS="2",  # pulls of 4
+                )
+                try:
+                    figures = scenario(fleet, redis)
+                finally:
+                    fleet.stop()
+            finally:
+                redis.kill()
+                moto.stop()
+            figures["wall_s"] = round(time.monotonic() - started, 1)
+            print(f"{name}: {json.dumps(figures)}", flush=True)
+            runs[name].append(figures)
+    return runs
+
+
+def _prepare_table(runs: dict[str, list[dict[str, Any]]], command: str) -> str:
+    lines = [
+        f"Command: `{command}`. Machine: {machine()}. Lease 3 s, reap interval 0.5 s, "
+        "`max_deliveries` 3, `isolate_after_prestart_deaths` 2, prepare workers pulling 4 "
+        "tasks at a time (the tiny Qwen2.5-VL checkpoint's targets), no-op GPU workers; one "
+        "row per run, each on a fresh Redis.",
+        "",
+        "| scenario | run | figures |",
+        "| --- | ---: | --- |",
+    ]
+    for name, figures_of_runs in runs.items():
+        for n, figures in enumerate(figures_of_runs):
+            shown = ", ".join(f"{k}: {v}" for k, v in figures.items())
+            lines.append(f"| {name} | {n} | {shown} |")
+    return "\n".join(lines)
+
+
 def _drill_table(runs: list[dict[str, Any]], command: str) -> str:
     columns = [
         "commands",
@@ -204,7 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--write", default=None)
-    parser.add_argument("--drill", choices=["replies"], default=None)
+    parser.add_argument("--drill", choices=["replies", "prepare"], default=None)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.drill == "replies":
@@ -214,6 +294,15 @@ def main() -> None:
         print(table)
         if args.write:
             replace_section(Path(args.write), "reply-drill", table)
+        return
+    if args.drill == "prepare":
+        prepared = prepare_drill(args.repeats)
+        table = _prepare_table(
+            prepared, f"python -m bench.faults --drill prepare --repeats {args.repeats}"
+        )
+        print(table)
+        if args.write:
+            replace_section(Path(args.write), "prepare-drill", table)
         return
     results = run(QUICK if args.quick else FULL)
     command = "python -m bench.faults" + (" --quick" if args.quick else "")

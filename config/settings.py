@@ -551,16 +551,17 @@ class FleetSettings(BaseModel):
     max_unstarted_deliveries: int = Field(
         10,
         ge=2,
-        description="Deliveries without ever starting (each holder died before it ran, or "
-        "handling the message itself killed it) before a message is dead-lettered undecoded.",
+        description="Times a task's holders may die before starting it (a clean give-back "
+        "or a prepare worker's hand-on is not a death) before it is dead-lettered without its "
+        "message being decoded.",
     )
     isolate_after_prestart_deaths: int = Field(
         2,
         ge=1,
         description="A request whose holders died this many times before starting it is "
-        "prepared alone, after its batch-mates are settled (and dead-lettered after "
-        "max_deliveries such deaths alone): a request that kills its worker while being "
-        "prepared takes only itself down.",
+        "prepared alone, after its batch-mates are settled or handed on (and dead-lettered "
+        "after max_deliveries such deaths alone), by GPU and prepare workers alike: a request "
+        "that kills its worker while being prepared takes only itself down.",
     )
     max_message_bytes: int = Field(
         64 * MiB,

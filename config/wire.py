@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "decode_envelope",
     "decode_message",
     "encode_message",
+    "peek_envelope",
     "priority_lists",
 ]
 
@@ -202,6 +204,35 @@ def decode_envelope(raw: str | bytes) -> Envelope:
         raise WireError("headers.id: not a string")
     properties = message.get("properties")
     return Envelope(task_id, headers, properties if isinstance(properties, dict) else {}, body)
+
+
+# A message's body as kombu writes it (base64: no quote or backslash inside).
+_BODY_KEY = re.compile(r'"body"\s*:\s*"')
+
+
+def peek_envelope(raw: str, task_id: str, limit: int) -> Envelope:
+    """What Celery reads of a message that is not read whole (over the size limit, or its
+    body unreadable): its headers and properties, parsed from the text around its body (a
+    base64 string, which kombu writes first) when that text is at most ``limit`` characters
+    and its headers name ``task_id``; else ``task_id`` alone. The body (the request, the embed)
+    is never parsed. Never raises."""
+    alone = Envelope(task_id, {"id": task_id}, {}, None)
+    found = _BODY_KEY.search(raw)
+    if found is None:
+        return alone
+    end = raw.find('"', found.end())
+    if end < 0 or raw.find("\\", found.end(), end) >= 0:
+        return alone
+    if len(raw) - (end - found.end()) > limit:
+        return alone
+    try:
+        message = json.loads(f'{raw[: found.start()]}"body":""{raw[end + 1 :]}')
+        headers, properties = message["headers"], message.get("properties")
+    except (KeyError, TypeError, ValueError, RecursionError):
+        return alone
+    if not isinstance(headers, dict) or headers.get("id") != task_id:
+        return alone
+    return Envelope(task_id, headers, properties if isinstance(properties, dict) else {}, None)
 
 
 def decode_message(raw: str | bytes, envelope: Envelope | None = None) -> TaskMessage:

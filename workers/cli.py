@@ -309,6 +309,7 @@ def _serve_prepare(
         raise click.BadParameter("text tasks have no media to prepare", param_hint="--modality")
     if engine_kind is not None:
         raise click.BadParameter("a prepare worker runs no engine", param_hint="--engine")
+    run_test_hook(None)
     try:
         service = WorkerService(settings, modalities, None, name=name, role="prepare").setup()
     except ConfigError as exc:

@@ -314,13 +314,13 @@ function commands.renew()
   return lost
 end
 
--- Applies `fn` to each id of ARGV's (id, token) pairs, from ARGV[3], that this holder still
+-- Applies `fn` to each (id, token) of ARGV's pairs, from ARGV[3], that this holder still
 -- holds (ARGV[2]: task key prefix); returns the sum of what it returns.
 local function for_held(fn)
   local prefix, total = ARGV[2], 0
   for i = 3, #ARGV, 2 do
     if redis.call('HGET', prefix .. ARGV[i], 'deliveries') == ARGV[i + 1] then
-      total = total + fn(ARGV[i])
+      total = total + fn(ARGV[i], ARGV[i + 1])
     end
   end
   return total
@@ -333,14 +333,26 @@ function commands.ack()
   return for_held(function(id) forget(id) return 1 end)
 end
 
+-- A delivery its holder returned (gave back, handed on) did not die with it: counted on the
+-- task ('returns'), so its next delivery is not one whose holder died before starting it; and
+-- if it went alone (mark_alone, this very token), that is not counted against it either
+-- ('alone' counts the deliveries alone whose holder died). Only deaths count toward the
+-- poison verdict (workers/fleet/suspects.py). Called once per delivery: the message has just
+-- left this holder's leases.
+local function returned(key, token)
+  redis.call('HINCRBY', key, 'returns', 1)
+  if redis.call('HGET', key, 'alone_token') == token then
+    redis.call('HINCRBY', key, 'alone', -1)
+  end
+end
+
 -- give_back: return held messages to their queues now (shutdown, not started) (allow-oom;
--- safe to repeat: a message given back is no longer in flight). A return is counted on the
--- task ('returns'): its next delivery is not one whose holder died before starting it.
+-- safe to repeat: a message given back is no longer in flight), a return (returned).
 -- KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token pairs (only this holder's).
 function commands.give_back()
-  return for_held(function(id)
+  return for_held(function(id, token)
     local moved = requeue(id, ARGV[2])
-    if moved == 1 then redis.call('HINCRBY', ARGV[2] .. id, 'returns', 1) end
+    if moved == 1 then returned(ARGV[2] .. id, token) end
     return moved
   end)
 end
@@ -358,8 +370,7 @@ end
 -- safe to repeat). The message moves from this holder's leases to a prepared list, whole and
 -- unchanged: the same task, its delivery count going on (the GPU worker's pull is the next
 -- delivery and fences this holder out), its stage 'prepared'. A task that ended meanwhile
--- (cancelled, expired by a sweep) is forgotten instead. The move counts as a return: the
--- next delivery is not one whose holder died before starting it.
+-- (cancelled, expired by a sweep) is forgotten instead. The move is a return (returned).
 -- KEYS[1..5] bookkeeping, KEYS[6] the prepared list. ARGV: task key prefix, terminal states
 -- (csv), then id, token pairs. Returns one word per pair: 'on' (handed on, now or by an
 -- earlier call), 'ended' (forgotten), 'lost' (this holder no longer holds it).
@@ -381,7 +392,7 @@ function commands.hand_on()
       redis.call('LPUSH', KEYS[6], redis.call('HGET', KEYS[1], id))
       forget(id)
       redis.call('HSET', key, 'stage', 'prepared')
-      redis.call('HINCRBY', key, 'returns', 1)
+      returned(key, token)
       out[#out + 1] = 'on'
     end
   end

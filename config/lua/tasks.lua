@@ -215,8 +215,9 @@ end
 
 -- mark_alone: a task delivered again without ever starting (its holder died before it ran,
 -- perhaps because of it) is prepared alone, after its batch-mates are settled; this counts
--- the times it went alone, once per delivery (safe to repeat). A task that killed its worker
--- each time it was alone is dead-lettered, and only it (workers/fleet/triage.py).
+-- the times it went alone, once per delivery (safe to repeat); a delivery alone that its holder
+-- returned (gave back, handed on) is taken off again (intake.lua, returned). A task that killed
+-- its worker each time it was alone is dead-lettered, and only it (workers/fleet/suspects.py).
 -- KEYS[1] task hash. ARGV: token. Returns the count.
 function commands.mark_alone()
   local h = redis.call('HMGET', KEYS[1], 'deliveries', 'alone_token', 'alone')

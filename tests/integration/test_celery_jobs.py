@@ -14,7 +14,7 @@ from celery.result import GroupResult
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, _conversation, make_loop
 from tests.support.services import wait_until
-from vlmq.celery import submit_many
+from vlmq.celery import TaskFailed, submit_many
 from vlmq.config.keys import Keys
 from vlmq.config.settings import BatchPolicy, CelerySettings, Settings
 from vlmq.config.status import TaskState
@@ -112,9 +112,14 @@ def test_the_pipelined_meta_is_celerys_own(settings, app):
     assert piped == stored and piped["group_id"] == "g" and piped["parent_id"] == "p"
     ttl = results.app.backend.client.ttl(backend.get_key_for_task("t1"))
     assert 0 < ttl <= settings.celery.result_expires_s
-    # A STARTED that comes late never hides a result.
-    results._store_many([("t1", {"pid": 1}, "STARTED", context)], unless_succeeded=True)
+    # A STARTED that comes late never hides an end (a terminal state never changes).
+    failure = TaskFailed("media_fetch_failed", "404")
+    results._store_many([("t3", failure, "FAILURE", Context(context.__dict__, id="t3"))])
+    for task_id in ("t1", "t3"):
+        late = Context(context.__dict__, id=task_id)
+        results._store_many([(task_id, {"pid": 1}, "STARTED", late)], unless_ended=True)
     assert backend.get_task_meta("t1")["status"] == "SUCCESS"
+    assert backend.get_task_meta("t3")["status"] == "FAILURE"
     results.close()
 
 

@@ -250,6 +250,56 @@ def test_a_held_but_never_run_request_is_not_counted_as_an_attempt(settings):
     assert engine.ran == [task]
 
 
+def _pulled(intake: Intake, lease_s: float = 30) -> Any:
+    (delivery,) = wait_until(lambda: intake.pull(8, lease_s).deliveries, what="a delivery")
+    return delivery
+
+
+def test_clean_give_backs_and_hand_ons_are_not_deaths(settings):
+    """A task given back cleanly and handed on, more often than the bound on deliveries
+    without a start, had no holder die: it runs (issue 37, 9)."""
+    client = Client(settings)
+    task = client.submit(_conversation("image", 1), lane="bulk")
+    prepare, leases = client.state.intake("image", role="prepare"), client.state.leases
+    for _ in range(3):  # prepare workers stopping: each gives it back
+        delivery = _pulled(prepare)
+        leases.give_back({task: delivery.token})
+    delivery = _pulled(prepare)
+    prepared = Keys().prepared_queue("image", "bulk")
+    assert leases.hand_on(prepared, {task: delivery.token}) == {task: "on"}
+    delivery = _pulled(client.state.intake("image"))  # a GPU worker stopping gives it back
+    leases.give_back({task: delivery.token})
+    engine = RecordingEngine()
+    with Running(make_loop(settings, engine, max_unstarted_deliveries=4)):
+        wait_until(lambda: client.status(task)["state"] in ("succeeded", "failed"), what="end")
+    assert client.status(task)["state"] == "succeeded", client.status(task)
+    assert engine.ran == [task]
+
+
+def test_a_delivery_alone_that_was_returned_is_not_counted_as_a_death_alone(settings):
+    """Its holders died twice before starting it, so it goes alone; each time alone it was
+    given back or handed on, never died: it is not dead-lettered as a killer (issue 37, 9)."""
+    client = Client(settings)
+    task = client.submit(_conversation("image", 1), lane="bulk")
+    prepare, leases = client.state.intake("image", role="prepare"), client.state.leases
+    for _ in range(2):  # two prepare workers died holding it
+        _pulled(prepare, lease_s=0)
+        assert leases.reap() == 1
+    for _ in range(3):  # alone, then given back
+        delivery = _pulled(prepare)
+        client.state.tasks.mark_alone(task, delivery.token)
+        leases.give_back({task: delivery.token})
+    delivery = _pulled(prepare)
+    client.state.tasks.mark_alone(task, delivery.token)
+    prepared = Keys().prepared_queue("image", "bulk")
+    assert leases.hand_on(prepared, {task: delivery.token}) == {task: "on"}
+    engine = RecordingEngine()
+    with Running(make_loop(settings, engine)):
+        wait_until(lambda: client.status(task)["state"] in ("succeeded", "failed"), what="end")
+    assert client.status(task)["state"] == "succeeded", client.status(task)
+    assert engine.ran == [task]
+
+
 def test_redelivered_requests_run_alone(settings):
     client = Client(settings)
     job = client.submit_many([_conversation("text", n) for n in range(6)])

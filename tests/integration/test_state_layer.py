@@ -211,17 +211,23 @@ def test_a_task_cancelled_while_held_is_let_go_at_start(settings):
 # pre-start deaths -----------------------------------------------------------------------------
 
 
-def test_going_alone_is_counted_once_per_delivery(settings: Settings) -> None:
+def test_going_alone_is_counted_once_per_delivery_whose_holder_died(settings: Settings) -> None:
     client = Client(settings)
     task = client.submit(_text(0))
-    (d,) = client.state.intake("text").pull(1, 60).deliveries
+    intake, leases = client.state.intake("text"), client.state.leases
+    (d,) = intake.pull(1, 0).deliveries
     assert client.state.tasks.mark_alone(task, d.token) == 1
     assert client.state.tasks.mark_alone(task, d.token) == 1  # a retry: the same delivery
     assert client.state.tasks.mark_alone(task, d.token + 1) == 1  # not this task's delivery
-    client.state.leases.give_back({task: d.token})
-    (d,) = client.state.intake("text").pull(1, 60).deliveries
+    assert leases.reap() == 1  # its holder died
+    (d,) = intake.pull(1, 60).deliveries
     assert d.status["alone"] == "1"
     assert client.state.tasks.mark_alone(task, d.token) == 2
+    # Given back this time (a clean return, not a death): its going alone is taken off, once.
+    assert leases.give_back({task: d.token}) == 1
+    assert leases.give_back({task: d.token}) == 0  # a resend changes nothing
+    (d,) = intake.pull(1, 60).deliveries
+    assert (d.status["alone"], d.status["returns"]) == ("1", "1")
 
 
 # named leases, worker records, job keys -------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from celery import Celery
 
 from tests.e2e.conftest import fleet_environment, vlmq
 from tests.support.faults.harness import batch_policy
@@ -62,6 +63,13 @@ class Processes:
 
     def client(self, redis_url: str | None = None, **fields: Any) -> Client:
         return Client(self.settings(redis_url, **fields))
+
+    def celery_app(self) -> Celery:
+        """A web app's Celery app on this fleet: its Redis as the broker and as the result
+        backend (the workers' default, ``VLMQ_CELERY__RESULT_BACKEND`` unset); close it."""
+        app = Celery("webapp", broker=self.redis_url, backend=self.redis_url, set_as_current=False)
+        app.conf.update(task_serializer="json", result_serializer="json", accept_content=["json"])
+        return app
 
     @cached_property
     def redis(self) -> redis.Redis:

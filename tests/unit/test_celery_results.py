@@ -23,7 +23,7 @@ from vlmq.config.settings import FleetSettings
 from vlmq.config.state import State
 from vlmq.config.state.intake import Delivery, Pull
 from vlmq.config.state.tasks import Tasks
-from vlmq.config.wire import Envelope, decode_envelope, encode_message
+from vlmq.config.wire import Envelope, decode_envelope, encode_message, peek_envelope
 from vlmq.workers.fleet.celery_results import (
     CeleryResults,
     celery_context,
@@ -203,6 +203,27 @@ def test_failure_expiry_and_revoke(app):
     results.close()
 
 
+@pytest.mark.parametrize("end", ["failed", "revoked"])
+def test_a_late_started_never_replaces_an_end(app, end):
+    """A delivery that started on a worker cut off past its lease writes STARTED after
+    another delivery's end was recorded: the end stays (issue 37: a terminal Celery state
+    never changes)."""
+    task = f"late-{end}"
+    late, winner = CeleryResults(app, None, "w-late"), CeleryResults(app, None, "w-won")
+    for results in (late, winner):
+        results.received([_envelope(task)])
+    if end == "failed":
+        winner.settled([{**_failed("media_fetch_failed"), "id": task}])
+    else:
+        winner.revoked([task])
+    _flushed(winner)
+    late.started([task])
+    _flushed(late)
+    assert _meta(app, task)["status"] == ("FAILURE" if end == "failed" else "REVOKED")
+    late.close()
+    winner.close()
+
+
 def test_generate_picks_the_queue_from_the_request():
     image = {"type": "image", "image": "s3://b/cat.png"}
     sig = generate.s({"messages": [{"role": "user", "content": [image, "what?"]}], "id": "r1"})
@@ -223,6 +244,17 @@ class Recording(LoopObserver):
 
     def received(self, envelopes: Sequence[Envelope]) -> None:
         self.heard += [(e.task_id, len(self.settler.submitted)) for e in envelopes]
+
+
+class DeadLetters:
+    """The dead-letter list of a state layer (``state.tasks.dead_letter``), in memory."""
+
+    def __init__(self) -> None:
+        self.tasks = self
+        self.letters: list[str] = []
+
+    def dead_letter(self, record: str, cap: int) -> None:
+        self.letters.append(record)
 
 
 class RecordingSettler(Settler):
@@ -247,6 +279,56 @@ def test_observers_read_a_bad_request_before_it_is_failed():
     assert [s.task_id for s in settler.submitted] == ["bad"]
     assert settler.submitted[0].record["error"]["code"] == "invalid_request"
     settler.close()
+
+
+def test_observers_hear_of_tasks_that_end_before_their_message_is_read():
+    """An oversized message, one whose body cannot be read and a dead letter are failed
+    without their request being read, and still heard of with their headers (a Celery caller
+    gets their FAILURE); a message asking for no result says so; a message naming no task of
+    its own is not heard of: the id it carries may be another task's (issue 37, 2)."""
+    settler = RecordingSettler()
+    observer = Recording(settler)
+    fleet = FleetSettings(max_message_bytes=4096, max_unstarted_deliveries=2)
+    letters = DeadLetters()
+    triage = Triage(cast(State, letters), Held(), settler, observer, "w", "m", fleet)
+    big = {"messages": [{"role": "user", "content": "x" * 8000}]}
+    unreadable = json.loads(encode_message(REQUEST, "unreadable", "vlmq.text", ignore_result=False))
+    unreadable["body"] = "not base64!"
+    raws = {
+        "big": encode_message(big, "big", "vlmq.text", ignore_result=False),
+        "quiet": encode_message(big, "quiet", "vlmq.text", ignore_result=True),
+        "unreadable": json.dumps(unreadable),
+        "dead": encode_message(REQUEST, "dead", "vlmq.text", ignore_result=False),
+        "invalid-1": encode_message(REQUEST, "someone-else", "vlmq.text", ignore_result=False),
+    }
+    tokens = {"dead": 3}  # two holders died before starting it
+    deliveries = [Delivery(i, raw, tokens.get(i, 1), {}) for i, raw in raws.items()]
+    assert triage.admit(Pull(deliveries, time.time())) == []
+    heard = {task_id for task_id, _ in observer.heard}
+    assert heard == {"big", "quiet", "unreadable", "dead"}
+    codes = {s.task_id: s.record["error"]["code"] for s in settler.submitted}
+    assert codes == {
+        "big": "invalid_request",
+        "quiet": "invalid_request",
+        "unreadable": "invalid_request",
+        "dead": "dead_lettered",
+        "invalid-1": "invalid_request",
+    }
+    assert [json.loads(letter)["task_id"] for letter in letters.letters] == ["dead"]
+    settler.close()
+
+
+def test_a_peek_reads_the_headers_around_the_body_only():
+    raw = encode_message(REQUEST, "t1", "vlmq.text", ignore_result=False)
+    peeked = peek_envelope(raw, "t1", 1024)
+    assert peeked.headers == json.loads(raw)["headers"] and peeked.body is None
+    assert peeked.properties["delivery_tag"] == json.loads(raw)["properties"]["delivery_tag"]
+    alone = {"id": "t1"}
+    assert peek_envelope(raw, "t1", 64).headers == alone  # more than the limit around the body
+    assert peek_envelope(raw, "other", 1024).headers == {"id": "other"}  # its header disagrees
+    assert peek_envelope("not json", "t1", 1024).headers == alone
+    escaped = raw.replace('"body":"', '"body":"\\u0041', 1)  # not kombu's base64 body
+    assert peek_envelope(escaped, "t1", 1024).headers == alone
 
 
 def test_vlmq_celery_imports_no_torch():

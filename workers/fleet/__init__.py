@@ -10,7 +10,10 @@
 * ``intake.py``: the leased batch pull (``Intake``), the shared lease side (``Leases``) and
   what this worker holds (``Held``);
 * ``triage.py``: decode, drop, expire, dead-letter, start; ``work.py``: one pulled message and
-  the settlements it ends in;
+  the settlements it ends in; ``suspects.py``: who goes alone and who is given up (only
+  deaths count), for the batch loop and the prepare tier alike; ``polling.py``: the loops'
+  polling, Redis outages ridden out;
+* ``prepare_tier.py``: ``PrepareLoop``, a prepare worker's loop (``--role prepare``);
 * ``settle.py``: result objects, then terminal statuses and acknowledgements;
 * ``housekeeping.py``: the reaper, job expiry, webhook polling; ``webhooks.py``: delivery;
 * ``observer.py``: the loop's hooks, implemented by ``metrics.py`` (Prometheus) and

@@ -229,7 +229,7 @@ class CeleryResults(LoopObserver):
     def _started(self, started: list[tuple[str, Context]]) -> None:
         meta = {"pid": os.getpid(), "hostname": self.hostname}
         items = [(i, meta, STARTED, c) for i, c in started if not c.ignore_result]
-        self._store_many(items, unless_succeeded=True)
+        self._store_many(items, unless_ended=True)
 
     def _settled(self, ended: list[tuple[Mapping[str, Any], Context]]) -> None:
         plain, jobs = [], set()
@@ -248,26 +248,28 @@ class CeleryResults(LoopObserver):
             self._guarded(self._progress, job_id)
 
     def _store_many(
-        self, items: list[tuple[str, Any, str, Context]], unless_succeeded: bool = False
+        self, items: list[tuple[str, Any, str, Context]], unless_ended: bool = False
     ) -> None:
         """Celery's meta for tasks without canvas work: through ``store_result`` one by one,
         or, for Celery's Redis backend, the very same keys and values in one pipeline (SET
         with the expiry and PUBLISH per task: what its ``set`` does per call). The settle
         ends a task once, so its end needs no read-before-write; a STARTED is written
-        ``unless_succeeded`` (a delivery that started late never hides a result)."""
+        ``unless_ended`` (a delivery that started late, on a worker cut off from its lease,
+        never hides the end another delivery recorded: a terminal state never changes)."""
         backend = self.app.backend
         if not items:
             return
         if not _pipelinable(backend):
             for task_id, result, state, context in items:
-                backend.store_result(task_id, result, state, request=context)
+                if not (unless_ended and backend.get_state(task_id) in READY_STATES):
+                    backend.store_result(task_id, result, state, request=context)
             return
         done_at = datetime.now(timezone.utc).isoformat()
         values = [
             (backend.get_key_for_task(task_id), _meta_json(backend, task_id, r, state, c, done_at))
             for task_id, r, state, c in items
         ]
-        backend.ensure(_pipelined, (backend, values, unless_succeeded))
+        backend.ensure(_pipelined, (backend, values, unless_ended))
 
     def _end(self, record: Mapping[str, Any], context: Context) -> None:
         task_id = str(record["id"])
@@ -399,13 +401,11 @@ def _meta_json(
     return json.dumps(meta)
 
 
-def _pipelined(
-    backend: RedisBackend, values: list[tuple[bytes, str]], unless_succeeded: bool
-) -> None:
+def _pipelined(backend: RedisBackend, values: list[tuple[bytes, str]], unless_ended: bool) -> None:
     client = backend.client
-    if unless_succeeded:
+    if unless_ended:
         current = client.mget([key for key, _ in values])
-        values = [kv for kv, raw in zip(values, current, strict=True) if not _succeeded(raw)]
+        values = [kv for kv, raw in zip(values, current, strict=True) if not _ended(raw)]
     with client.pipeline(transaction=False) as pipe:
         for key, value in values:
             pipe.set(key, value, ex=backend.expires or None)
@@ -413,5 +413,5 @@ def _pipelined(
         pipe.execute()
 
 
-def _succeeded(raw: bytes | str | None) -> bool:
-    return raw is not None and json.loads(raw).get("status") == SUCCESS
+def _ended(raw: bytes | str | None) -> bool:
+    return raw is not None and json.loads(raw).get("status") in READY_STATES

@@ -6,12 +6,15 @@ The pulls, leases and settles themselves are the state layer's (``config/state/i
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
 from vlmq.config.state.intake import Delivery, Leases
 
 __all__ = ["Held"]
+
+log = logging.getLogger(__name__)
 
 
 class Held:
@@ -46,6 +49,20 @@ class Held:
         lost_held = list(self.tokens(lost))  # not those settled meanwhile
         self.release(lost_held)
         return len(lost_held)
+
+    def give_back(self, leases: Leases, task_ids: Iterable[str] | None = None) -> None:
+        """What this worker holds (of ``task_ids``) goes back to its queues at once (a clean
+        return: not a death), or, when Redis cannot take even that, by its leases lapsing:
+        nothing is held and renewed without being worked on."""
+        held = self.tokens(task_ids)
+        if not held:
+            return
+        log.warning("giving back %d tasks", len(held))
+        try:
+            leases.give_back(held)
+        except Exception:
+            log.warning("could not give them back; their leases will lapse", exc_info=True)
+        self.release(held)
 
     def __len__(self) -> int:
         with self._lock:

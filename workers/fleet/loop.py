@@ -18,12 +18,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
 from vlmq.workers.fleet.batches import PulledBatch
-from vlmq.workers.fleet.clock import Backoff
 from vlmq.workers.fleet.continuous import ContinuousDriver
 from vlmq.workers.fleet.pipeline import Pipeline
+from vlmq.workers.fleet.polling import poll_until_stopped
 from vlmq.workers.fleet.stages import LoopParts, Stages
 from vlmq.workers.fleet.static import StaticDriver
 from vlmq.workers.fleet.watchdog import Watchdog
@@ -101,25 +100,9 @@ class BatchLoop:
         return None if self.stages.backed_up() else self.stages.pull_next()
 
     def _repeat(self, step: Callable[[], bool]) -> None:
-        """Run ``step`` until stopped (housekeeping first each time), backing off while it
-        finds nothing to do."""
-        backoff = Backoff((self.fleet.idle_poll_min_s, self.fleet.idle_poll_max_s))
-        while not self.stop_event.is_set():
-            try:
-                self.parts.housekeeper.tick()
-                busy = step()
-            except TRANSIENT_REDIS_ERRORS as exc:
-                # Redis restarted, unreachable, loading, read-only or full: what this worker
-                # holds stays leased (or is swept back by then); retry until it answers.
-                wait = backoff.outage()
-                log.warning("Redis %s; retrying in %.1fs", type(exc).__name__, wait)
-                self.stop_event.wait(wait)
-                continue
-            backoff.answered()
-            if busy:
-                backoff.worked()
-            else:
-                self.stop_event.wait(backoff.idle())
+        """Run ``step`` until stopped, riding Redis outages out (``polling.py``)."""
+        idle = (self.fleet.idle_poll_min_s, self.fleet.idle_poll_max_s)
+        poll_until_stopped(step, self.parts.housekeeper, self.stop_event, idle)
 
     # shutdown ----------------------------------------------------------------
     def stop(self) -> None:

@@ -14,6 +14,12 @@ that expired are handed on as they are, and the GPU worker meets the same error 
 that task alone (one place decides how a task fails). A task cancelled or expired by a sweep
 while it was being prepared is forgotten at hand-on; a prepare worker that dies is reaped like
 any worker and its tasks go back to the raw lists.
+
+What kills a prepare worker (a decoder crash, an OOM kill, preparing stuck past its time limit)
+takes only itself down, by the GPU loop's rules (``suspects.py``): a task whose holders died
+before starting it twice is prepared alone, after the rest of its pull is handed on, and one
+given up (its holders died too often) is handed on unprepared, for the GPU worker to
+dead-letter. Redis outages are ridden out (``polling.py``), as the GPU loop does.
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from vlmq.config.queues import prepare_backlog
 from vlmq.config.schemas import Request
 from vlmq.config.settings import FleetSettings
 from vlmq.config.state import State
-from vlmq.config.state.intake import Delivery, Intake
+from vlmq.config.state.intake import Delivery, Intake, Pull
 from vlmq.config.vision import VisionProfile
 from vlmq.config.wire import priority_lists
 from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
+from vlmq.workers.fleet.polling import poll_until_stopped, when_answered
+from vlmq.workers.fleet.suspects import given_up, isolate
 from vlmq.workers.fleet.triage import expired, parse_delivery
+from vlmq.workers.fleet.work import Work
 from vlmq.workers.media import Downscale, MediaLoader
 
 __all__ = ["PrepareLoop", "PrepareParts", "Targets", "model_targets"]
@@ -146,11 +155,11 @@ class PrepareLoop:
 
     # the loop ----------------------------------------------------------------
     def run_forever(self) -> None:
-        while not self._stop.is_set():
-            self.parts.housekeeper.tick()
-            if not self.run_once():
-                self._stop.wait(_IDLE_S)
-        self._idle.set()
+        try:
+            idle = (_IDLE_S, _IDLE_S)
+            poll_until_stopped(self.run_once, self.parts.housekeeper, self._stop, idle)
+        finally:
+            self._idle.set()
 
     def run_once(self) -> bool:
         """Prepare and hand on one pull of the next class that has work; False when every
@@ -163,15 +172,38 @@ class PrepareLoop:
                 continue
             self.parts.held.add(pull.deliveries)
             try:
-                self._prepare_all(modality, pull.deliveries, pull.now)
+                self._handle(modality, pull)
             finally:
-                self._hand_on(modality, pull.deliveries)
+                # What an error stopped on its way goes back (a clean return, not a death).
+                self.parts.held.give_back(self.parts.state.leases, self._ids(pull.deliveries))
             self.batches_done += 1
             return True
         return False
 
-    def _prepare_all(self, modality: str, deliveries: Sequence[Delivery], now: float) -> None:
-        futures = [self.parts.pool.submit(self._prepare, modality, d, now) for d in deliveries]
+    def _handle(self, modality: str, pull: Pull) -> None:
+        """Prepare and hand on one pull, by the GPU loop's rules (``suspects.py``): everything
+        but its suspects together, then each suspect alone, with nothing else in hand (if it
+        kills this worker, it alone comes back), least often alone first. A task given up is
+        handed on as it is, with the others: the GPU worker dead-letters it (one place decides
+        how a task fails)."""
+        works = [Work(d, status=dict(d.status)) for d in pull.deliveries]
+        kept = [w for w in works if given_up(w, self.fleet) is None]
+        together, alone = isolate(kept, self.fleet)
+        self._prepare_all(modality, together, pull.now)
+        suspects = {id(w) for w in alone}
+        self._hand_on(modality, [w for w in works if id(w) not in suspects])
+        for work in alone:
+            when_answered(self.parts.state.tasks.mark_alone, self._stop, work.task_id, work.token)
+            self._prepare_all(modality, [work], pull.now)
+            self._hand_on(modality, [work])
+
+    @staticmethod
+    def _ids(deliveries: Sequence[Delivery]) -> list[str]:
+        return [d.task_id for d in deliveries]
+
+    def _prepare_all(self, modality: str, works: Sequence[Work], now: float) -> None:
+        pool = self.parts.pool
+        futures = [pool.submit(self._prepare, modality, w.delivery, now) for w in works]
         for future in futures:
             future.result()
 
@@ -218,19 +250,22 @@ class PrepareLoop:
                 prepared=True,
             )
 
-    def _hand_on(self, modality: str, deliveries: Sequence[Delivery]) -> None:
+    def _hand_on(self, modality: str, works: Sequence[Work]) -> None:
         """Each task to its lane's prepared list (those this worker still holds)."""
         keys = self.parts.state.keys
         interactive = set(priority_lists(keys.queue(modality, "interactive")))
         by_list: dict[str, dict[str, int]] = defaultdict(dict)
-        held = self.parts.held.tokens([d.task_id for d in deliveries])
-        for d in deliveries:
-            if d.task_id in held:
-                lane = "interactive" if d.origin in interactive else "bulk"
-                by_list[keys.prepared_queue(modality, lane)][d.task_id] = d.token
+        held = self.parts.held.tokens([w.task_id for w in works])
+        for w in works:
+            if w.task_id in held:
+                lane = "interactive" if w.delivery.origin in interactive else "bulk"
+                by_list[keys.prepared_queue(modality, lane)][w.task_id] = w.token
         outcomes: dict[str, str] = {}
         for prepared_list, tokens in by_list.items():
-            outcomes.update(self.parts.state.leases.hand_on(prepared_list, tokens))
+            # Retried while Redis does not answer (hand_on is safe to repeat): the tasks stay
+            # held and leased meanwhile, so what was prepared is not prepared again.
+            hand_on = self.parts.state.leases.hand_on
+            outcomes.update(when_answered(hand_on, self._stop, prepared_list, tokens))
         self.parts.held.release(held)
         ended = [t for t, word in outcomes.items() if word == "ended"]
         if ended:
@@ -244,9 +279,7 @@ class PrepareLoop:
         still held."""
         self.stop()
         self._idle.wait(drain_timeout_s)
-        held = self.parts.held.tokens()
-        if held:
-            self.parts.state.leases.give_back(held)
-            self.parts.held.release(held)
+        self.parts.held.give_back(self.parts.state.leases)
         self.parts.pool.shutdown(wait=False, cancel_futures=True)
         self.parts.housekeeper.close()
+        self.parts.observer.close()

@@ -186,12 +186,7 @@ class WorkerService:
         if settings.fleet.task_events:
             broker, transport = celery_broker(settings)
             observers.append(TaskEvents(broker, self.name.replace(":", "-"), transport))
-        if settings.celery.enabled:
-            from vlmq.workers.fleet.celery_results import CeleryResults
-
-            state = fleet_state(self.redis, settings.fleet)
-            self.celery_results = CeleryResults.for_settings(settings, self.hostname, state)
-            observers.append(self.celery_results)
+        observers += self._celery_results()
         self.loop = compose_loop(
             settings, self.modalities, self.engine, self.name, self.redis, store, observers
         )
@@ -200,13 +195,27 @@ class WorkerService:
 
     def _setup_prepare(self) -> WorkerService:
         settings = self.settings
-        observers: list[LoopObserver] = [self._metrics()]
+        # A prepare worker hears Celery revokes as every worker does: it records REVOKED for
+        # the tasks its cancel moves.
+        observers: list[LoopObserver] = [self._metrics(), *self._celery_results()]
         self.loop = compose_prepare_loop(
             settings, self.modalities, self.name, self.redis, observers
         )
         store = open_store(settings.results_url, settings.s3_endpoint_url, settings.s3_region)
         self.feeder = self._feeder(store)
         return self
+
+    def _celery_results(self) -> list[LoopObserver]:
+        """The recorder of Celery results (``celery_results.py``), when they are recorded;
+        the service's revoke writes through it too."""
+        settings = self.settings
+        if not settings.celery.enabled:
+            return []
+        from vlmq.workers.fleet.celery_results import CeleryResults
+
+        state = fleet_state(self.redis, settings.fleet)
+        self.celery_results = CeleryResults.for_settings(settings, self.hostname, state)
+        return [self.celery_results]
 
     def _feeder(self, store: ResultStore) -> Feeder:
         """The feeder every worker runs for bulk jobs, on a connection of its own: a feed's

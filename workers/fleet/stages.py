@@ -31,6 +31,7 @@ from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settler
+from vlmq.workers.fleet.suspects import isolate
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.work import Work, failed_result, result_settlement
 
@@ -99,13 +100,8 @@ class Stages:
             self.give_back([d.task_id for d in pull.deliveries])
             raise
         # A request whose holders died before starting it, more than once, is prepared alone
-        # (after a single death, its whole prefetch window would be: the next holder works as
-        # usual, and only what dies with it again is isolated).
-        limit = self.fleet.isolate_after_prestart_deaths
-        fresh = [w for w in works if w.prestart_deaths < limit]
-        alone = sorted(
-            (w for w in works if w.prestart_deaths >= limit), key=lambda w: w.alone_before
-        )
+        # (suspects.py), on the model's thread, after its batch-mates are settled.
+        fresh, alone = isolate(works, self.fleet)
         futures = [self.parts.prepare_pool.submit(self._prepare, w) for w in fresh]
         return PulledBatch(modality, fresh, futures, alone=alone)
 
@@ -294,16 +290,8 @@ class Stages:
 
     # giving back -----------------------------------------------------------------
     def give_back(self, task_ids: list[str]) -> None:
-        """What failed on its way goes back at once, or, when Redis cannot take even that,
-        by its lease lapsing: nothing pulled is held and renewed without being worked on."""
-        held = self.parts.held.tokens(task_ids)
-        if held:
-            log.warning("giving back %d tasks", len(held))
-            try:
-                self.parts.state.leases.give_back(held)
-            except Exception:
-                log.warning("could not give them back; their leases will lapse", exc_info=True)
-        self.parts.held.release(task_ids)
+        """What failed on its way goes back (``Held.give_back``)."""
+        self.parts.held.give_back(self.parts.state.leases, task_ids)
 
     def give_back_batch(self, pulled: PulledBatch) -> None:
         self.give_back([w.task_id for w in [*pulled.works, *pulled.alone]])

@@ -2,13 +2,14 @@
 pull), then move what runs to ``running`` right before its engine call (``start``).
 
 Any message from any producer either runs or fails alone as ``invalid_request`` with a status
-and a result record; nothing about a message can make the worker exit. A message delivered
-``max_unstarted_deliveries`` times without ever starting (each holder died handling it) is
-dead-lettered before it is even decoded. A task past its expiry (on Redis's clock) is expired;
-one that ran ``max_deliveries`` times without finishing (its worker died each time) is
-dead-lettered. ``start`` checks expiry again and moves a micro-batch to ``running`` in one
-fenced script call, counting each an attempt; a task cancelled or expired while it waited in
-the pipeline, or delivered to someone else since, is let go instead.
+and a result record; nothing about a message can make the worker exit. A task whose holders
+died ``max_unstarted_deliveries`` times before starting it, or ``max_deliveries`` times while it
+was prepared alone (``suspects.py``: only deaths count), is dead-lettered before its message is
+decoded (its headers are read around its body, for a Celery caller). A task past its expiry (on
+Redis's clock) is expired; one that ran ``max_deliveries`` times without finishing (its worker
+died each time) is dead-lettered. ``start`` checks expiry again and moves a micro-batch to
+``running`` in one fenced script call, counting each an attempt; a task cancelled or expired
+while it waited in the pipeline, or delivered to someone else since, is let go instead.
 
 A redelivered task (token > 1) whose earlier delivery already stored its result object is not
 run again: that stored result is settled for this delivery (``_repair``). Its settle was lost: a
@@ -35,13 +36,28 @@ from vlmq.config.state import State
 from vlmq.config.state.intake import Delivery, Pull
 from vlmq.config.state.tasks import ENDED, Move
 from vlmq.config.status import TaskState
-from vlmq.config.wire import Envelope, TaskMessage, WireError, decode_envelope, decode_message
+from vlmq.config.wire import (
+    Envelope,
+    TaskMessage,
+    WireError,
+    decode_envelope,
+    decode_message,
+    peek_envelope,
+)
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import REPAIRED_RESULTS, Settlement, Settler, Stored
+from vlmq.workers.fleet.suspects import given_up
 from vlmq.workers.fleet.work import Work, failure_settlement
 
-__all__ = ["Triage", "expired", "parse_delivery", "parse_request", "read_envelope"]
+__all__ = [
+    "Triage",
+    "celery_envelope",
+    "expired",
+    "parse_delivery",
+    "parse_request",
+    "read_envelope",
+]
 
 # The id the pull gives a message that names no task of its own (lua/intake.lua, identity).
 INVALID_PREFIX = "invalid-"
@@ -74,7 +90,7 @@ class Triage:
         """The pulled work that may run (still queued); everything else is settled."""
         if pull.dropped:
             self.observer.dropped(pull.dropped)
-        read = [item for item in map(self._decode, pull.deliveries) if item is not None]
+        read = [self._decode(delivery) for delivery in pull.deliveries]
         # Observers hear of every message read before any of them is settled (a Celery
         # caller's failure needs the message's headers: workers/fleet/celery_results.py).
         envelopes = [item.envelope for item, _ in read if item.envelope is not None]
@@ -84,6 +100,8 @@ class Triage:
         for item, error in read:
             if error is None:
                 work.append(item)
+            elif isinstance(error, DeadLettered):
+                self._dead_letter(item, error)
             else:
                 self.fail(item, error)
         work = self._repair(work)
@@ -116,24 +134,22 @@ class Triage:
         return [item for item in work if item.task_id not in done]
 
     # decode ------------------------------------------------------------------
-    def _decode(self, delivery: Delivery) -> tuple[Work, InvalidRequest | None] | None:
-        """The work a delivery is, and why it cannot run (None: it may); None for a dead
-        letter (settled here, before it is even read)."""
+    def _decode(self, delivery: Delivery) -> tuple[Work, PermanentError | None]:
+        """The work a delivery is, and why it cannot run (None: it may). A task given up
+        (``suspects.given_up``) is dead-lettered before its message is decoded (decoding it
+        may be what killed its holders); what a Celery caller needs to hear of its end is
+        read around its body (``celery_envelope``), as for a message that cannot be read."""
         item = Work(delivery, status=dict(delivery.status))
-        if delivery.token > self.fleet.max_unstarted_deliveries and not item.attempts:
-            self._dead_letter(item, f"delivered {delivery.token} times without ever starting")
-            return None
-        if item.alone_before >= self.fleet.max_deliveries:
-            reason = (
-                f"its worker died each of the {item.alone_before} times it was prepared alone "
-                f"(limit {self.fleet.max_deliveries})"
-            )
-            self._dead_letter(item, reason)
-            return None
+        reason = given_up(item, self.fleet)
+        if reason:
+            item.envelope = celery_envelope(delivery, self.fleet.max_message_bytes)
+            return item, DeadLettered(reason)
         try:
             item.envelope = read_envelope(delivery, self.fleet.max_message_bytes)
             item.message, item.request = parse_request(delivery, item.envelope)
         except InvalidRequest as exc:
+            if item.envelope is None:
+                item.envelope = celery_envelope(delivery, self.fleet.max_message_bytes)
             return item, exc
         return item, None
 
@@ -148,7 +164,7 @@ class Triage:
                 f"ran {item.attempts} times without finishing (limit "
                 f"{self.fleet.max_deliveries}); its worker died each time"
             )
-            self._dead_letter(item, reason)
+            self._dead_letter(item, DeadLettered(reason))
             return False
         return True
 
@@ -156,15 +172,15 @@ class Triage:
     def _expired(item: Work, now: float) -> bool:
         return expired(item.message, item.status, now)
 
-    def _dead_letter(self, item: Work, reason: str) -> None:
+    def _dead_letter(self, item: Work, error: DeadLettered) -> None:
         self.observer.dead_lettered(item.task_id)
         raw = item.delivery.raw
-        record = {"task_id": item.task_id, "reason": reason, "at": time.time()}
+        record = {"task_id": item.task_id, "reason": error.message, "at": time.time()}
         record |= {"message": raw[:DEAD_LETTER_MESSAGE_CHARS], "message_chars": len(raw)}
         self.state.tasks.dead_letter(
             json.dumps(record, separators=(",", ":")), self.fleet.max_dead_letters
         )
-        self.fail(item, DeadLettered(reason))
+        self.fail(item, error)
 
     def fail(self, item: Work, error: PermanentError, state: TaskState = TaskState.FAILED) -> None:
         """End a task before any engine sees it, with a result record and its status."""
@@ -249,6 +265,18 @@ def read_envelope(delivery: Delivery, max_message_bytes: int) -> Envelope:
     if envelope.task_id != delivery.task_id:
         raise InvalidRequest("the message's header id cannot be read one way")
     return envelope
+
+
+def celery_envelope(delivery: Delivery, max_message_bytes: int) -> Envelope | None:
+    """What a Celery caller needs of a message that is not read whole (over the size limit,
+    not a readable protocol-2 message, a dead letter) to hear how its task ended: its headers
+    and properties, read around its body (``wire.peek_envelope``), or failing that its task id
+    alone (its end is then recorded as for a message that asks for a result: a record nobody
+    reads expires, a caller never hearing of it would wait for ever). None for a message that
+    names no task of its own: the id it carries may be another task's."""
+    if delivery.task_id.startswith(INVALID_PREFIX):
+        return None
+    return peek_envelope(delivery.raw, delivery.task_id, max_message_bytes)
 
 
 def parse_request(delivery: Delivery, envelope: Envelope) -> tuple[TaskMessage, Request]:

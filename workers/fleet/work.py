@@ -61,7 +61,8 @@ class Work:
 
     @property
     def alone_before(self) -> int:
-        """Times it was prepared alone without ever starting (its worker died each time)."""
+        """Times it was prepared alone and its worker died (a delivery alone that was given
+        back or handed on is not counted: ``lua/intake.lua`` returned)."""
         value = self.delivery.status.get("alone") or "0"
         return int(value) if value.isdigit() else 0
 
@@ -69,7 +70,7 @@ class Work:
     def prestart_deaths(self) -> int:
         """Earlier deliveries whose holder died before starting it (perhaps because of it: a
         native decoder crash, an OOM kill while decoding): neither started (``attempts``)
-        nor given back (``returns``)."""
+        nor returned (``returns``: given back, or handed on by a prepare worker)."""
         returns = self.delivery.status.get("returns") or "0"
         return self.token - 1 - self.attempts - (int(returns) if returns.isdigit() else 0)
 

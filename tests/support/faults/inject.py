@@ -53,7 +53,7 @@ class Faults:
     # request whose text contains this marker (HF and noop engines).
     crash_marker: str | None = None
     # The same while the request is prepared, before it starts: a native decoder crash or an
-    # OOM kill while decoding (noop engine).
+    # OOM kill while decoding (noop engine, and a prepare worker's media loading).
     prepare_crash_marker: str | None = None
     # The first N settles of a worker raise an unexpected error (a bug in settling).
     settle_errors: int = 0
@@ -156,6 +156,16 @@ def _noop_patches(faults: Faults) -> list[Patch]:
 
 def _fleet_patches(faults: Faults) -> list[Patch]:
     found: list[Patch] = []
+    if faults.prepare_crash_marker:
+        from vlmq.workers.fleet.prepare_tier import PrepareLoop
+
+        load = PrepareLoop._load  # how a prepare worker loads a request's media
+
+        def crashing_load(self: PrepareLoop, request: Request, *args: Any) -> Any:
+            _crash_if_marked(faults.prepare_crash_marker, [request])
+            return load(self, request, *args)
+
+        found.append((PrepareLoop, "_load", crashing_load))
     if faults.settle_errors:
         from vlmq.workers.fleet.settle import Settler
 

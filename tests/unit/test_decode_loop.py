@@ -191,9 +191,7 @@ def test_replayed_steps_give_the_eager_tokens(engine, reference_by_four, media):
     assert len(keys) <= len(set(keys)) * (engine.decoder.stats.grown + 1)
 
 
-def test_a_capture_that_fails_falls_back_to_eager_once(
-    engine, reference_by_four, media, caplog
-):
+def test_a_capture_that_fails_falls_back_to_eager_once(engine, reference_by_four, media, caplog):
     engine.set_decode(mode="loop", inflight=True, slots=None, admit_rows=4, sync_every=8)
     graphs = FailingGraphs()
     engine.decoder.runner = StepRunner(graphs)
@@ -205,3 +203,52 @@ def test_a_capture_that_fails_falls_back_to_eager_once(
     assert len(failures) == 1 and "decoding eagerly" in failures[0].getMessage()
     stats = engine.decoder.runner.stats
     assert stats.failed and stats.eager_steps > 0 and stats.replays == 0
+
+
+def test_a_failed_decode_step_hands_its_rows_to_generate(engine, reference_by_four, media, caplog):
+    """A step that raises (a device error, a bug) fails no request: the rows inside go through
+    transformers' generate and their batch-mates are untouched."""
+    engine.set_decode(mode="loop", inflight=True, slots=None, admit_rows=4, sync_every=8)
+    model = engine.decoder.model
+    calls = {"n": 0}
+    logits = model.logits
+
+    def broken_once(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return logits(*args, **kwargs)
+
+    model.logits = broken_once
+    try:
+        with caplog.at_level(logging.ERROR, logger="vlmq.workers.engine.engine"):
+            results = _run(engine, every_control(media))
+    finally:
+        model.logits = logits
+    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
+    assert any("a decode step failed" in r.getMessage() for r in caplog.records)
+    # The loop serves what comes next.
+    steps = engine.decoder.stats.steps
+    _check_all(reference_by_four, _run(engine, every_control(media)), NEAR_TIES_IN_FLIGHT)
+    assert engine.decoder.stats.steps > steps
+
+
+def test_rows_longer_than_the_loop_holds_run_through_generate(engine, media):
+    engine.set_decode(mode="loop", inflight=True, slots=None, admit_rows=4, max_length=64)
+    long = Request.model_validate(
+        {
+            "custom_id": "long",
+            "messages": [{"role": "user", "content": "word " * 40}],
+            "max_new_tokens": 30,
+        }
+    )
+    short = Request.model_validate(
+        {"custom_id": "short", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 4}
+    )
+    before = engine.stats.generate_fallbacks
+    results = _run(engine, [long, short])
+    assert results["long"].usage is not None and results["long"].usage.completion_tokens == 30
+    assert engine.stats.generate_fallbacks == before + 1
+    engine.set_decode(mode="generate", max_length=None)
+    alone = _run(engine, [long])["long"]
+    assert results["long"].output == alone.output

@@ -225,6 +225,7 @@ class Decoder:
         return prompt_length + max_new + self.sync_every + 1 <= self.max_length
 
     # admission -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def admit(self, admission: Admission) -> None:
         """Prefill a micro-batch and give each of its rows a slot and its first token. Raises
         before anything is admitted when rows do not fit (``DoesNotFit``) or the prefill fails
@@ -342,6 +343,7 @@ class Decoder:
         self._next_sync = self._step  # the first tokens may have ended rows already
 
     # stepping ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self, max_steps: int) -> list[Finished]:
         """Decode until some request finishes or ``max_steps`` steps ran; the requests that
         finished."""
@@ -354,6 +356,7 @@ class Decoder:
             self._one_step()
         return finished + self._sync()
 
+    @torch.inference_mode()
     def drain(self) -> list[Finished]:
         """Decode until every admitted request finished."""
         finished: list[Finished] = []
@@ -575,6 +578,7 @@ class Decoder:
             features = features | row.spec.features
         self._features = features
 
+    @torch.inference_mode()
     def abort(self) -> list[Prepared]:
         """Take every row out (a step failed): the requests they belonged to, once each."""
         items: dict[int, Prepared] = {}

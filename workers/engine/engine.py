@@ -22,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from vlmq.config.errors import GenerationFailed, OutOfMemory, PromptTooLong, VlmqError
 from vlmq.config.schemas import Request, Result, Usage
 from vlmq.config.settings import EngineSettings, MediaSettings
@@ -179,9 +177,8 @@ class Engine(OneSlot):
         # The loop is kept (with its cache and captured graphs) unless what shapes it changed.
         kept = {"mode", "inflight", "poll_steps"}
         same = before.model_dump(exclude=kept) == decode.model_dump(exclude=kept)
-        if self.loaded is not None and decode.mode == "loop":
-            if not (same and self.decoder is not None):
-                self._build_decoder()
+        if self.loaded is not None and decode.mode == "loop" and not (same and self.decoder):
+            self._build_decoder()
 
     def _build_decoder(self) -> None:
         self.decoder = None
@@ -311,8 +308,7 @@ class Engine(OneSlot):
         outcomes, self._done = self._done, []
         if decoder.busy_rows:
             try:
-                with torch.inference_mode():
-                    finished = decoder.step(self.settings.decode.poll_steps)
+                finished = decoder.step(self.settings.decode.poll_steps)
             except Exception:
                 log.exception("a decode step failed with %d rows inside", decoder.busy_rows)
                 items = decoder.abort()
@@ -405,9 +401,7 @@ class Engine(OneSlot):
         if decoder is None or reference or self.settings.decode.mode != "loop":
             return self._runner.generate(collated)
         try:
-            admission = self._runner.admission(collated)
-            with torch.inference_mode():
-                decoder.admit(admission)
+            decoder.admit(self._runner.admission(collated))
         except DoesNotFit as exc:
             log.info("micro-batch through generate: %s", exc)
             self.stats.generate_fallbacks += 1
@@ -420,8 +414,7 @@ class Engine(OneSlot):
         self.stats.batch_sizes.append(len(collated.items))
         if admit:
             return None
-        with torch.inference_mode():
-            finished = decoder.drain()
+        finished = decoder.drain()
         by_item = {id(f.item): self._runner.completion(f) for f in finished}
         return [by_item[id(item)] for item in collated.items]
 

@@ -513,6 +513,14 @@ class FleetSettings(BaseModel):
         gt=0,
         description="Longest pause between retries of a result upload while the store is down (s).",
     )
+    store_retry_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a batch's result uploads are retried while the store refuses "
+        "them (down, full) before each task still unstored fails with store_unavailable "
+        "(retryable: submit it again), so no task is left running with its lease held on a "
+        "store that never takes it (s).",
+    )
     max_settle_backlog: int = Field(
         256,
         ge=1,

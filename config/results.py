@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from stat import S_ISREG
 from typing import IO, Any
 from urllib.parse import urlparse
 
@@ -24,6 +25,7 @@ from vlmq.config.errors import ConfigError, StoreUnavailable
 __all__ = [
     "BlobWriter",
     "FileStore",
+    "ObjectInfo",
     "ResultStore",
     "S3Store",
     "open_store",
@@ -36,6 +38,21 @@ __all__ = [
 # multipart write (S3's minimum part is 5 MiB): what a streamed file costs in memory.
 READ_CHUNK = 1024 * 1024
 PART_BYTES = 8 * 1024 * 1024
+# Where a write in progress goes before its rename (the file store): never an object.
+_TMP_PREFIX = ".tmp-"
+
+# Writable memory of the given length that a read fills (the frame store's pooled buffers).
+Allocate = Callable[[int], memoryview]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key, size in bytes and last modification (epoch seconds; the
+    frame store refreshes it on a read to keep its eviction order, ``touch``)."""
+
+    key: str
+    size: int
+    modified: float
 
 
 def result_key(task_id: str, job_id: str | None, delivery: int) -> str:
@@ -83,11 +100,30 @@ class ResultStore(ABC):
     @abstractmethod
     def get_blob(self, key: str) -> bytes | None: ...
 
-    def get_blob_view(self, key: str) -> bytes | memoryview | None:
-        """The object's bytes to read once, the cheapest way the store has: a file store
-        maps the file (no copy); the others return :meth:`get_blob`'s bytes. The frame store
-        reads objects back this way."""
+    def read_blob(self, key: str, allocate: Allocate) -> bytes | memoryview | None:
+        """The object's bytes, or None when it does not exist: a file store reads the file
+        into memory from ``allocate(size)`` (the frame store's reused buffers) and keeps
+        nothing open; the others return :meth:`get_blob`'s bytes. Never a mapping: a mapped
+        file holds a descriptor for as long as its bytes are used (a worker's media cache
+        ran out of them), and a file truncated in place under a mapping kills its reader
+        with SIGBUS. A file that changes while it is read gives bytes its checksum refuses."""
         return self.get_blob(key)
+
+    @abstractmethod
+    def info(self, key: str) -> ObjectInfo | None:
+        """Size and modification time of one object, or None when it does not exist."""
+
+    @abstractmethod
+    def objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (any name, not only results), in no set order."""
+
+    @abstractmethod
+    def touch(self, key: str) -> None:
+        """Make the object's modification time now (a missing one is not an error)."""
+
+    def free_bytes(self) -> int | None:
+        """Room left where the objects live (a local volume), or None: a remote store."""
+        return None
 
     def ping(self) -> None:  # noqa: B027 - reachable by default (local stores)
         """Raise StoreUnavailable when the store cannot be reached."""
@@ -102,9 +138,10 @@ class ResultStore(ABC):
         return f"{self.url.rstrip('/')}/{key}"
 
     # streaming: files far larger than memory -------------------------------
-    @abstractmethod
     def size(self, key: str) -> int | None:
         """The object's size in bytes, or None when it does not exist."""
+        info = self.info(key)
+        return None if info is None else info.size
 
     @abstractmethod
     def read_from(self, key: str, start: int = 0) -> Iterator[bytes]:
@@ -182,7 +219,7 @@ class _FileWriter(BlobWriter):
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX)
         except OSError as exc:
             raise StoreUnavailable("the results folder could not be written") from exc
         self.tmp = tmp
@@ -318,7 +355,7 @@ class FileStore(ResultStore):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # Write then rename: a reader never sees half an object.
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX)
             try:
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data)
@@ -335,27 +372,29 @@ class FileStore(ResultStore):
         path = self._path(key)
         return path.read_bytes() if path.exists() else None
 
-    def get_blob_view(self, key: str) -> bytes | memoryview | None:
-        # Mapped, not read: a read copies a 1080p photo's ~6 MB object out of the page cache
-        # (~0.5 ms of a GPU worker's CPU, measured); MAP_POPULATE maps every page at once
-        # rather than a fault per page. Safe because objects are replaced by rename and never
-        # rewritten in place: a mapped file keeps its bytes even when it is replaced or
-        # deleted (only truncating a stored file in place, which nothing here does, would
-        # fault its reader). The view keeps the mapping until the last reference goes.
+    def read_blob(self, key: str, allocate: Allocate) -> bytes | memoryview | None:
+        # Read, not mapped (see ResultStore.read_blob), into reused memory already faulted
+        # in: the copy out of the page cache costs ~0.1 ms more than mapping for a 1080p
+        # photo's 3 MB, ~5 ms for a clip's 29 MB (docs/reliability.md, the frame store
+        # under faults).
         try:
-            handle = self._path(key).open("rb", buffering=0)
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        with handle:
-            if os.fstat(handle.fileno()).st_size == 0:
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
                 return b""
-            mapped = mmap.mmap(
-                handle.fileno(),
-                0,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ,
-            )
-        return memoryview(mapped)
+            view = allocate(size)[:size]
+            done = 0
+            while done < size:
+                count = os.readv(fd, [view[done:]])
+                if not count:  # truncated while read: the short bytes fail their checksum
+                    break
+                done += count
+        finally:
+            os.close(fd)
+        return view[:done].toreadonly()
 
     def get(self, url_or_key: str) -> dict[str, Any] | None:
         path = self._path(self.key_of(url_or_key))
@@ -367,9 +406,50 @@ class FileStore(ResultStore):
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
-    def size(self, key: str) -> int | None:
-        path = self._path(key)
-        return path.stat().st_size if path.is_file() else None
+    def info(self, key: str) -> ObjectInfo | None:
+        try:
+            stat = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not S_ISREG(stat.st_mode):
+            return None
+        return ObjectInfo(key, stat.st_size, stat.st_mtime)
+
+    def objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self._path(prefix) if prefix else self.root
+        folders = [base]
+        while folders:
+            try:
+                entries = list(os.scandir(folders.pop()))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(Path(entry.path))
+                    elif entry.is_file(follow_symlinks=False):
+                        if entry.name.startswith(_TMP_PREFIX):
+                            continue
+                        stat = entry.stat(follow_symlinks=False)
+                        key = str(Path(entry.path).relative_to(self.root))
+                        yield ObjectInfo(key, stat.st_size, stat.st_mtime)
+                except FileNotFoundError:  # deleted while listed
+                    continue
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreUnavailable("the results folder could not be written") from exc
+
+    def free_bytes(self) -> int | None:
+        try:
+            stat = os.statvfs(self.root)
+        except OSError:
+            return None
+        return stat.f_bavail * stat.f_frsize
 
     def read_from(self, key: str, start: int = 0) -> Iterator[bytes]:
         path = self._path(key)
@@ -475,7 +555,7 @@ class S3Store(ResultStore):
         result: dict[str, Any] = json.loads(reply["Body"].read())
         return result
 
-    def size(self, key: str) -> int | None:
+    def info(self, key: str) -> ObjectInfo | None:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -486,7 +566,41 @@ class S3Store(ResultStore):
             raise StoreUnavailable("the results store could not be read") from exc
         except BotoCoreError as exc:
             raise StoreUnavailable("the results store could not be read") from exc
-        return int(reply["ContentLength"])
+        return ObjectInfo(key, int(reply["ContentLength"]), reply["LastModified"].timestamp())
+
+    def objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        full = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][strip:]
+                    yield ObjectInfo(key, int(obj["Size"]), obj["LastModified"].timestamp())
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable("the results store could not be listed") from exc
+
+    def touch(self, key: str) -> None:
+        # S3 has no access time and an object's Last-Modified changes only when it is
+        # written: a copy onto itself (server-side, no bytes through here) writes it.
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        full = self._full(key)
+        try:
+            self.client.copy_object(
+                Bucket=self.bucket,
+                Key=full,
+                CopySource={"Bucket": self.bucket, "Key": full},
+                MetadataDirective="REPLACE",
+            )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                return
+            raise StoreUnavailable("the results store did not accept the write") from exc
+        except BotoCoreError as exc:
+            raise StoreUnavailable("the results store did not accept the write") from exc
 
     def read_from(self, key: str, start: int = 0) -> Iterator[bytes]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -531,13 +645,7 @@ class S3Store(ResultStore):
             raise StoreUnavailable("the results store did not accept the delete") from exc
 
     def keys(self, prefix: str = "") -> list[str]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        full = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        out: list[str] = []
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
-            out += [obj["Key"][strip:] for obj in page.get("Contents", [])]
-        return sorted(out)
+        return sorted(info.key for info in self.objects(prefix))
 
     def ping(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError

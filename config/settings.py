@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 class FrameStoreSettings(BaseModel):
@@ -47,7 +48,24 @@ class FrameStoreSettings(BaseModel):
     url: str = Field(
         "",
         description="Where prepared media is stored: s3://bucket/prefix or file:///dir; "
-        "empty: {results_url}/frames.",
+        "empty: a folder named frames beside the results store, never inside it "
+        "(file://./.vlmq/frames beside file://./.vlmq/results, s3://bucket/frames beside "
+        "s3://bucket/results; a results store that is a whole bucket needs this set).",
+    )
+    max_bytes: int = Field(
+        16 * GiB,
+        ge=1,
+        description="The store's budget: past it, the least recently used objects are deleted "
+        "(a read marks an object used; any object may go, a missing one is prepared again). "
+        "Counted by each worker from a listing of the store every minute plus its own "
+        "writes.",
+    )
+    min_free_bytes: int = Field(
+        GiB,
+        ge=0,
+        description="file:// stores: free space the store leaves on its volume. A write that "
+        "would pass it is not made and the least recently used objects are deleted, so the "
+        "frame store never fills a volume it shares (with the results store, say).",
     )
     kinds: list[str] = Field(
         default_factory=lambda: ["video"],
@@ -588,6 +606,14 @@ class FleetSettings(BaseModel):
         10.0,
         gt=0,
         description="Longest pause between retries of a result upload while the store is down (s).",
+    )
+    store_retry_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a batch's result uploads are retried while the store refuses "
+        "them (down, full) before each task still unstored fails with store_unavailable "
+        "(retryable: submit it again), so no task is left running with its lease held on a "
+        "store that never takes it (s).",
     )
     max_settle_backlog: int = Field(
         256,

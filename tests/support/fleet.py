@@ -7,6 +7,7 @@ address (a :class:`~tests.support.replydrop.ReplyDropProxy`) by ``VLMQ_REDIS_URL
 from __future__ import annotations
 
 import json
+import resource
 import signal
 import subprocess
 import uuid
@@ -77,8 +78,16 @@ class Processes:
         return Client(self.settings()).redis
 
     # processes -----------------------------------------------------------------------------
-    def start(self, label: str, *args: str, env: Mapping[str, str] | None = None) -> Any:
-        """``python -m vlmq ARGS``; its output goes to ``logs/<label>.log``."""
+    def start(
+        self,
+        label: str,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        nofile: int | None = None,
+    ) -> Any:
+        """``python -m vlmq ARGS``; its output goes to ``logs/<label>.log``. ``nofile``: its
+        descriptor limit (``ulimit -n``), set as it starts (``prlimit``: a ``preexec_fn``
+        is not safe in a test process with threads)."""
         path = self.logs / f"{label}.log"
         with path.open("wb") as log:
             proc = vlmq(
@@ -87,6 +96,8 @@ class Processes:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+        if nofile is not None:
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (nofile, nofile))
         self.procs.append(proc)
         self._logs[proc.pid] = path
         return proc
@@ -119,6 +130,37 @@ class Processes:
         )
         if wait:
             self.wait_registered(name, proc)
+        return proc
+
+    def model_worker(
+        self,
+        name: str,
+        modality: str = "image,video",
+        env: Mapping[str, str] | None = None,
+        nofile: int | None = None,
+    ) -> Any:
+        """A ``vlmq worker`` with a model (``VLMQ_MODEL`` in this fleet's environment: a tiny
+        checkpoint), returned once registered; ``nofile`` as for :meth:`start`."""
+        proc = self.start(
+            name,
+            *("--log-level", "info", "worker", "--modality", modality),
+            *("--no-celery", "--name", name),
+            env=env,
+            nofile=nofile,
+        )
+        self.wait_registered(name, proc, timeout=120)
+        return proc
+
+    def prepare_worker(self, name: str, env: Mapping[str, str] | None = None) -> Any:
+        """A ``vlmq worker --role prepare`` (the model's config files from ``VLMQ_MODEL``),
+        returned once registered."""
+        proc = self.start(
+            name,
+            *("--log-level", "info", "worker", "--role", "prepare"),
+            *("--no-celery", "--name", name),
+            env=env,
+        )
+        self.wait_registered(name, proc, timeout=60)
         return proc
 
     def wait_registered(self, name: str, proc: Any, timeout: float = 30) -> None:

@@ -4,6 +4,7 @@ only once nothing refers to it, and what was read back never changes under its r
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from pathlib import Path
 
@@ -114,21 +115,30 @@ def test_objects_read_back_into_reused_memory_stay_exact_while_held(tmp_path: Pa
     assert store.buffers.reused > reused
 
 
-def test_a_file_store_maps_an_object_and_the_view_outlives_its_replacement(
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_file_store_reads_an_object_into_the_memory_given_and_keeps_nothing_open(
     tmp_path: Path,
 ) -> None:
     files = FileStore(f"file://{tmp_path}")
     files.put_blob("a/b.bin", b"0123456789" * 1000)
-    view = files.get_blob_view("a/b.bin")
-    assert isinstance(view, memoryview) and bytes(view) == b"0123456789" * 1000
-    # Objects are replaced by rename (and may be deleted): a mapped reader keeps its bytes.
+    memory = bytearray(16384)
+    before = _open_fds()
+    view = files.read_blob("a/b.bin", lambda size: memoryview(memory))
+    assert _open_fds() == before  # nothing held open by what was read
+    assert isinstance(view, memoryview) and view.readonly and view.obj is memory
+    assert bytes(view) == b"0123456789" * 1000
+    # Replaced by rename, rewritten in place, truncated, deleted: what was read stays.
     files.put_blob("a/b.bin", b"x" * 20)
+    (tmp_path / "a" / "b.bin").write_bytes(b"y" * 5)
     assert bytes(view) == b"0123456789" * 1000
     (tmp_path / "a" / "b.bin").unlink()
     assert bytes(view) == b"0123456789" * 1000
     files.put_blob("a/empty.bin", b"")
-    assert files.get_blob_view("a/empty.bin") == b""
-    assert files.get_blob_view("a/missing.bin") is None
+    assert files.read_blob("a/empty.bin", lambda size: memoryview(memory)) == b""
+    assert files.read_blob("a/missing.bin", lambda size: memoryview(memory)) is None
 
 
 @pytest.mark.parametrize("key", ["../x", "a/../../x", "/etc/passwd", ""])

@@ -3,6 +3,7 @@ worker instead of fetched and decoded again."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import mmap
@@ -14,6 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.support.samples import make_image, make_video_bytes, save_image
+from vlmq.config.errors import ConfigError
 from vlmq.config.results import FileStore
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettings
@@ -27,7 +29,13 @@ from vlmq.workers.media.framecodec import (
     encode_object,
     missing_package,
 )
-from vlmq.workers.media.framestore import FrameStore, content_id, open_frame_store, staged_digest
+from vlmq.workers.media.framestore import (
+    FrameStore,
+    content_id,
+    frame_store_url,
+    open_frame_store,
+    staged_digest,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -217,11 +225,32 @@ def test_an_object_over_the_size_limit_is_not_read(
 def test_on_for_video_by_default_and_off_for_images(tmp_path: Path) -> None:
     media = MediaSettings()
     assert media.frame_store.kinds == ["video"] and media.frame_store.enabled
-    store = open_frame_store(media, f"file://{tmp_path}")
+    # Beside the results store, never inside it (a full frame store once stopped results).
+    store = open_frame_store(media, f"file://{tmp_path}/results")
     assert store is not None and store.store.url == f"file://{tmp_path}/frames"
     assert store.codec == ("raw" if _has("raw") else "zstd" if _has("zstd") else "zlib")
     off = MediaSettings(frame_store=FrameStoreSettings(enabled=False))
     assert open_frame_store(off, f"file://{tmp_path}") is None
+
+
+@pytest.mark.parametrize(
+    ("results", "frames"),
+    [
+        ("file://./.vlmq/results", "file://./.vlmq/frames"),
+        ("s3://bucket/results/", "s3://bucket/frames"),
+        ("s3://bucket/runs/results", "s3://bucket/runs/frames"),
+        ("s3://bucket/frames", "s3://bucket/frames-prepared"),
+    ],
+)
+def test_the_frame_store_lives_beside_the_results_never_inside(results: str, frames: str) -> None:
+    assert frame_store_url(FrameStoreSettings(), results) == frames
+    assert frame_store_url(FrameStoreSettings(url="s3://b/f"), results) == "s3://b/f"
+
+
+@pytest.mark.parametrize("results", ["s3://bucket", "file:///"])
+def test_a_results_store_with_nothing_beside_it_needs_the_url_set(results: str) -> None:
+    with pytest.raises(ConfigError, match="VLMQ_MEDIA__FRAME_STORE__URL"):
+        frame_store_url(FrameStoreSettings(), results)
 
 
 @pytest.mark.parametrize(
@@ -248,7 +277,7 @@ def test_an_object_whose_codec_package_is_missing_reads_as_corrupt(
     assert framecodec.resolve_codec("auto") == (without[0] if other else without[1])
 
 
-def test_raw_frames_are_read_where_they_lie_in_the_mapped_object(tmp_path: Path) -> None:
+def test_raw_frames_are_used_where_they_were_read_in_reused_memory(tmp_path: Path) -> None:
     if not _has("raw"):
         pytest.skip("xxhash is not installed")
     store = _store(tmp_path, FrameStoreSettings(kinds=["image"], codec="raw"))
@@ -257,13 +286,18 @@ def test_raw_frames_are_read_where_they_lie_in_the_mapped_object(tmp_path: Path)
     assert store.put(key, image)
     back = store.get(key)
     assert isinstance(back, Pixels) and back.tobytes() == image.tobytes()
-    # No copy: the array is a read-only view whose memory is the mapping of the file.
+    # No second copy: a read-only view of the pooled memory the object was read into
+    # (never a mapping of the file, which would hold a descriptor and fault on truncation).
     assert not back.array.flags.writeable and not back.array.flags.owndata
     base: Any = back.array
     while isinstance(base, np.ndarray):
         base = base.base
-    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)
+    assert isinstance(base, memoryview) and not isinstance(base.obj, mmap.mmap)
+    assert store.buffers.allocated == 1
     assert back.as_tensor().sum().item() == int(np.asarray(image, np.int64).sum())
+    del back, base
+    gc.collect()
+    assert isinstance(store.get(key), Pixels) and store.buffers.reused == 1
 
 
 # --- through the loader -----------------------------------------------------------------------

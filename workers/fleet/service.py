@@ -92,6 +92,7 @@ def compose_loop(
         observer,
         fleet.upload_threads,
         fleet.store_retry_max_s,
+        fleet.store_retry_deadline_s,
     )
     webhooks = WebhookSender(state, settings.webhooks)
     threads = settings.worker.preprocess_workers or max(1, (os.cpu_count() or 2) - 1)

@@ -7,9 +7,12 @@ they are delivered again. Each delivery writes its own object (``result_key(...,
 the status hash points at the winner's only: a superseded holder's object is never the task's
 result, and no object is ever overwritten. A batch's results are settled together (uploads in
 parallel, one script call), off the batch loop's thread so they overlap the next batch. A store
-outage and transient Redis errors are retried with backoff while the leases are kept; any other
-failure releases the batch, so its leases lapse and it is redelivered within ``lease_s +
-reap_interval_s`` (never held and renewed forever).
+outage and transient Redis errors are retried with backoff while the leases are kept, a store
+outage for at most ``store_retry_deadline_s`` a batch: then each task still without its object
+fails alone (``store_unavailable``, retryable), so a store that never takes a write (a full
+volume) cannot leave tasks running with their leases held. Any other failure releases the
+batch, so its leases lapse and it is redelivered within ``lease_s + reap_interval_s`` (never
+held and renewed forever).
 
 With ``VLMQ_FLEET__SETTLE_WAIT_REPLICAS`` each settle is followed by ``WAIT`` (:func:`settle_wait`),
 so a result acknowledged here is on a replica too. Without it (or when WAIT times out), a Redis
@@ -26,6 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prometheus_client import Counter
@@ -113,9 +117,10 @@ class Settlement:
         url = self.fields.get("result_url")
         return self.record if url is None else {**self.record, "result_url": url}
 
-    def unstored(self, reason: str) -> Settlement:
-        """This settlement as a failure without a result object (the store refused it)."""
-        error = ResultNotStored(f"the result could not be stored: {reason}"[:500])
+    def unstored(self, reason: str, error_type: type[VlmqError] = ResultNotStored) -> Settlement:
+        """This settlement as a failure without a result object (the store refused it, for
+        good or for longer than the settle waits)."""
+        error = error_type(f"the result could not be stored: {reason}"[:500])
         fields = {
             **{k: v for k, v in self.fields.items() if k in ("worker", "batch_id")},
             "error_code": error.code,
@@ -127,9 +132,11 @@ class Settlement:
 
 @dataclass(frozen=True)
 class Refused:
-    """The store will never take this object (its key or its record)."""
+    """The store did not take this object: never will (its key or its record), or refused
+    every write until the batch's deadline (``error_type`` StoreUnavailable)."""
 
     reason: str
+    error_type: type[VlmqError] = ResultNotStored
 
 
 @dataclass(frozen=True)
@@ -151,12 +158,14 @@ class Settler:
         observer: LoopObserver,
         threads: int,
         retry_max_s: float,
+        retry_deadline_s: float = 300.0,
     ) -> None:
         self.store = store
         self.tasks = tasks
         self.held = held
         self.observer = observer
         self.retry_max_s = retry_max_s
+        self.retry_deadline_s = retry_deadline_s
         # Batches settle one after another (two in flight), their uploads in parallel.
         self._batches = ThreadPoolExecutor(max_workers=2, thread_name_prefix="settle")
         self._uploads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="upload")
@@ -197,25 +206,32 @@ class Settler:
 
     def _store_all(self, settlements: list[Settlement]) -> list[Settlement]:
         """Upload every object; those that shutdown interrupted are left out (still held).
-        An object the store refuses for good (a key it will not take) fails that task alone,
-        without an object: its batch-mates settle as they are."""
+        An object the store refuses for good (a key it will not take), or that it has not
+        taken by the batch's deadline (one for the whole batch: uploads one after another
+        do not each wait it out), fails that task alone, without an object: its batch-mates
+        settle as they are."""
+        upload = partial(self._upload, give_up_at=time.monotonic() + self.retry_deadline_s)
         if self.store.parallel_uploads and len(settlements) > 1:
-            urls = list(self._uploads.map(self._upload, settlements))
+            urls = list(self._uploads.map(upload, settlements))
         else:
-            urls = [self._upload(s) for s in settlements]
+            urls = [upload(s) for s in settlements]
         stored = []
         for settlement, url in zip(settlements, urls, strict=True):
             if isinstance(url, Refused):
-                stored.append(settlement.unstored(url.reason))
+                stored.append(settlement.unstored(url.reason, url.error_type))
             elif url is not None:
                 settlement.fields["result_url"] = url
                 stored.append(settlement)
         return stored
 
-    def _upload(self, settlement: Settlement) -> str | Refused | None:
+    def _upload(self, settlement: Settlement, give_up_at: float) -> str | Refused | None:
         started = time.perf_counter()
         try:
-            url = self._put_with_retry(settlement.key, settlement.record)
+            url = self._put_with_retry(settlement.key, settlement.record, give_up_at)
+        except StoreUnavailable:  # still refused at the deadline
+            waited = f"the results store refused it for {self.retry_deadline_s:g} s"
+            log.error("task %s: its result could not be stored: %s", settlement.task_id, waited)
+            return Refused(waited, StoreUnavailable)
         except VlmqError as exc:  # the store refuses this key or record for good
             log.error("task %s: its result could not be stored: %s", settlement.task_id, exc)
             return Refused(str(exc))
@@ -293,7 +309,9 @@ class Settler:
             except StoreUnavailable:
                 log.warning("could not remove %s; it stays, unread", key)
 
-    def _put_with_retry(self, key: str, record: dict[str, Any]) -> str | None:
+    def _put_with_retry(self, key: str, record: dict[str, Any], give_up_at: float) -> str | None:
+        """The object's URL; None when shutdown interrupted the retries (still held);
+        StoreUnavailable when the store still refused it at ``give_up_at``."""
         delay = 0.2
         while True:
             try:
@@ -301,8 +319,12 @@ class Settler:
             except StoreUnavailable:
                 if self.stopping.is_set():
                     return None
-                log.warning("results store unavailable; retrying in %.1fs", delay)
-                time.sleep(delay)
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    raise
+                pause = min(delay, left)
+                log.warning("results store unavailable; retrying in %.1fs", pause)
+                time.sleep(pause)
                 delay = min(delay * 2, self.retry_max_s)
 
     def drain(self, timeout_s: float | None = None) -> bool:

@@ -1,9 +1,9 @@
 """The fleet-wide frame store: prepared media, content-addressed in the object store.
 
 A clip decoded, sampled and resized to the model processor's target once is stored (the
-results store's abstraction: ``file://`` on the embedded default, any S3-compatible store),
-and every later request on the same media, on any worker, reads it back instead of fetching
-and decoding the source again.
+results store's abstraction, in a location of its own: ``file://`` on the embedded default,
+any S3-compatible store), and every later request on the same media, on any worker, reads it
+back instead of fetching and decoding the source again.
 
 * **Key** (``key_for``): the source's content id (``content_id``), the sampling (fps, frame
   cap, exact or keyframes), the resize target (the processor's, ``visual_downscale``), the
@@ -12,11 +12,13 @@ and decoding the source again.
   one when ``share_across_tenants`` is on.
 * **Objects** (``framecodec``): lossless, checksummed; a corrupt or unreadable one reads as a
   miss (logged), so the caller decodes again and its ``put`` replaces the bad object. An
-  object is read back without a copy where the store can (a ``file://`` store maps it), and
-  its frames are decompressed into reused memory (``BufferPool``, ``read_buffer_bytes``).
-* **Lifecycle**: objects are immutable and never needed (a missing one is a miss), so any
-  expiry rule is safe: on S3 a lifecycle rule on the prefix (e.g. 7 days, as task status);
-  on ``file://`` delete the folder's old files at will.
+  object is read into reused memory (``BufferPool``, ``read_buffer_bytes``), never mapped:
+  nothing stays open once it is read, and a file rewritten or truncated later changes
+  nothing a worker holds. A raw object's frames are then used where they were read.
+* **Lifecycle**: objects are immutable and never needed (a missing one is a miss). The store
+  keeps under its budget by deleting the least recently used (``framebudget``), and a store
+  that fails is left alone for a pause (``_Pause``): the caller prepares the media itself
+  meanwhile, so a full or failing store costs time, never a task.
 
 Torch-free: prepare workers run without a model.
 """
@@ -27,20 +29,25 @@ import hashlib
 import json
 import logging
 import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlparse
 
 import av
 import PIL
 
 from vlmq.config.errors import ConfigError, StoreUnavailable
-from vlmq.config.results import ResultStore, open_store
+from vlmq.config.results import ObjectInfo, ResultStore, open_store
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.config.staging import DIGEST_FOLDER, file_url_folder
 from vlmq.workers.media.buffers import BufferPool
 from vlmq.workers.media.decode import Downscale, Sampling
+from vlmq.workers.media.framebudget import FrameBudget
 from vlmq.workers.media.framecodec import (
     CorruptObject,
     PreparedMedia,
@@ -55,6 +62,7 @@ __all__ = [
     "FrameScope",
     "FrameStore",
     "content_id",
+    "frame_store_url",
     "open_frame_store",
     "staged_digest",
 ]
@@ -138,12 +146,48 @@ def _sampling_of(sampling: Sampling | None) -> dict[str, Any] | None:
 # --- the store ------------------------------------------------------------------------------
 
 
+class _TooLarge(Exception):
+    """An object past ``max_object_bytes`` (its size, or what its read found)."""
+
+
+class _Pause:
+    """After a store error, the store is left alone for a pause that doubles while it keeps
+    failing (``FIRST_S`` to ``LONGEST_S``): a store that is down or full must not add its
+    timeouts and retries to every load; the media is prepared in place meanwhile."""
+
+    FIRST_S = 1.0
+    LONGEST_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pause = 0.0
+        self._until = float("-inf")
+
+    def open(self) -> bool:
+        return self._clock() >= self._until
+
+    def failed(self) -> None:
+        with self._lock:
+            self._pause = min(max(self._pause * 2, self.FIRST_S), self.LONGEST_S)
+            self._until = self._clock() + self._pause
+
+    def worked(self) -> None:
+        if self._pause:
+            with self._lock:
+                self._pause = 0.0
+
+
 class FrameStore:
     """``key_for`` / ``get`` / ``put`` / ``has`` over a :class:`ResultStore`. Safe to share
     between threads (the stores are)."""
 
     def __init__(
-        self, store: ResultStore, settings: FrameStoreSettings, media: MediaSettings
+        self,
+        store: ResultStore,
+        settings: FrameStoreSettings,
+        media: MediaSettings,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.codec = resolve_codec(settings.codec)
         missing = missing_package(self.codec)
@@ -153,6 +197,8 @@ class FrameStore:
         self.settings = settings
         self.media = media
         self.buffers = BufferPool(settings.read_buffer_bytes)
+        self.budget = FrameBudget(store, settings.max_bytes, settings.min_free_bytes)
+        self._reads, self._writes = _Pause(clock), _Pause(clock)
 
     def key_for(
         self,
@@ -185,31 +231,60 @@ class FrameStore:
 
     def has(self, key: str) -> bool:
         """Whether an object is there (a HEAD; not verified)."""
+        if not self._reads.open():
+            return False
         try:
             return self.store.size(key) is not None
         except StoreUnavailable:
+            self._reads.failed()
             return False
 
     def get(self, key: str) -> PreparedMedia | None:
         """The verified prepared media under ``key``, or None: missing, unreadable, too large
-        or corrupt (logged; the caller prepares it again and its ``put`` replaces it)."""
+        or corrupt (logged; the caller prepares it again and its ``put`` replaces it), or the
+        store paused after a failure."""
+        if not self._reads.open():
+            return None
+        read = self._read(key)
+        if read is None:
+            return None
+        info, data = read
+        media = self._decoded(key, data)
+        if media is not None:
+            self.budget.used(info)
+        return media
+
+    def _read(self, key: str) -> tuple[ObjectInfo, bytes | memoryview] | None:
+        """The object's size and age and its bytes, or None: missing, too large (logged),
+        or unreadable (logged; reads pause)."""
         try:
-            size = self.store.size(key)
-            if size is None:
-                return None
-            if size > self.settings.max_object_bytes:
-                log.warning("frame store object %s is too large (%d bytes): ignored", key, size)
-                return None
-            data = self.store.get_blob_view(key)
+            info = self.store.info(key)
+            data = None if info is None else self._read_bytes(key, info)
+        except _TooLarge as exc:
+            log.warning("frame store object %s is too large (%s bytes): ignored", key, exc)
+            return None
         except (StoreUnavailable, ConfigError, OSError):
+            self._reads.failed()
             log.warning("frame store object %s could not be read: preparing again", key)
             return None
-        if data is None:
-            return None
-        if len(data) > self.settings.max_object_bytes:  # replaced by a larger one meanwhile
-            log.warning("frame store object %s grew past max_object_bytes: ignored", key)
-            return None
-        return self._decoded(key, data)
+        self._reads.worked()
+        return None if info is None or data is None else (info, data)
+
+    def _read_bytes(self, key: str, info: ObjectInfo) -> bytes | memoryview | None:
+        self._check_size(info.size)
+        data = self.store.read_blob(key, self._allocate)
+        if data is not None:  # it may have been replaced by a larger one since
+            self._check_size(len(data))
+        return data
+
+    def _check_size(self, size: int) -> None:
+        if size > self.settings.max_object_bytes:
+            raise _TooLarge(size)
+
+    def _allocate(self, size: int) -> memoryview:
+        """Reused memory for an object's bytes (a raw object's frames stay in it)."""
+        self._check_size(size)
+        return self.buffers.array((size,)).data
 
     def _decoded(self, key: str, data: bytes | memoryview) -> PreparedMedia | None:
         max_pixels = max(self.media.max_image_pixels, self.media.video_max_pixels_per_frame)
@@ -221,8 +296,11 @@ class FrameStore:
             return None
 
     def put(self, key: str, media: PreparedMedia) -> bool:
-        """Store prepared media; False (logged) when the store refused it or it is too large:
-        the store only ever saves work, so a failed write fails nothing."""
+        """Store prepared media; False (logged) when the store refused it, is paused after a
+        failure, has no room in its budget, or it is too large: the store only ever saves
+        work, so a failed write fails nothing."""
+        if not self._writes.open():
+            return False
         try:
             params = {"level": self.settings.zstd_level} if self.codec == "zstd" else {}
             data = encode_object(media, self.codec, **params)
@@ -231,12 +309,37 @@ class FrameStore:
             return False
         if len(data) > self.settings.max_object_bytes:
             return False
+        if not self.budget.admit(len(data)):
+            log.info("frame store object %s not written: no room in the budget", key)
+            return False
         try:
             self.store.put_blob(key, data)
         except (StoreUnavailable, ConfigError, OSError):
+            self._writes.failed()
             log.warning("frame store object %s could not be written", key)
             return False
+        self._writes.worked()
+        self.budget.added(len(data))
         return True
+
+
+def frame_store_url(settings: FrameStoreSettings, results_url: str) -> str:
+    """Where the frame store lives: ``settings.url``, or by default beside the results store
+    (never inside it), a folder named ``frames``: ``file://./.vlmq/frames`` beside
+    ``file://./.vlmq/results``, ``s3://bucket/frames`` beside ``s3://bucket/results``. A
+    results store that is a whole bucket or a root folder has nothing beside it: the URL
+    must then be set."""
+    if settings.url:
+        return settings.url
+    parsed = urlparse(results_url.rstrip("/"))
+    path = PurePosixPath(parsed.path or "/")
+    if path.name in ("", ".", ".."):
+        raise ConfigError(
+            "the results store is a whole bucket or folder root: set "
+            "VLMQ_MEDIA__FRAME_STORE__URL (the frame store never shares the results' location)"
+        )
+    name = "frames" if path.name != "frames" else "frames-prepared"
+    return parsed._replace(path=str(path.parent / name)).geturl()
 
 
 def open_frame_store(
@@ -245,12 +348,12 @@ def open_frame_store(
     endpoint_url: str | None = None,
     region: str = "us-east-1",
 ) -> FrameStore | None:
-    """The frame store ``settings.frame_store`` names (default ``{results_url}/frames``), or
+    """The frame store ``settings.frame_store`` names (default: ``frame_store_url``), or
     None when it is off."""
     frames = settings.frame_store
     if not frames.enabled or not frames.kinds:
         return None
-    url = frames.url or f"{results_url.rstrip('/')}/frames"
+    url = frame_store_url(frames, results_url)
     return FrameStore(open_store(url, endpoint_url, region), frames, settings)
 
 

@@ -9,10 +9,12 @@
    decode loop (eager: this machine has no GPU). A step's cost is (a run of N new tokens - a run
    of 1) / (N - 1): the prefill is taken out. Wall and process CPU per step; each round runs the
    three one after the other; the ratios are taken within a round.
-2. **Decode waste** on a workload whose output lengths vary 4x (``--rows`` x 4 requests,
-   max_new_tokens drawn from [new/2, 2 new]): useful tokens over the slot-steps paid, static
+2. **Decode waste** on a workload whose output lengths vary 4x (``--requests``, default 512,
+   max_new_tokens drawn from [new/2, 2 new]): generated tokens over slots x steps, static
    micro-batches (each decodes to its longest row) against in-flight slots (a finished row's slot
-   takes the next micro-batch's row), with tokens/s.
+   takes the next micro-batch's row), with tokens/s. A finite workload ends with a tail in which
+   fewer rows than slots are left; the more requests, the less it weighs (a fleet's queue has
+   none).
 3. With ``--compile-starts``: a worker's start with ``engine.decode.compile`` on, twice, each in a
    fresh process sharing one empty inductor cache folder: the first compiles the decode step,
    the second finds it on disk. Seconds from process start to its first 8 tokens, and whether the
@@ -116,10 +118,17 @@ def host_time_round(engine: Any, rows: int, new_tokens: int) -> dict[str, StepCo
     return costs
 
 
-def waste_round(engine: Any, rows: int, new_tokens: int) -> dict[str, dict[str, float]]:
-    """Static micro-batches against in-flight slots on outputs that vary 4x."""
+def waste_round(engine: Any, rows: int, new_tokens: int, count: int) -> dict[str, dict[str, float]]:
+    """Static micro-batches against in-flight slots on outputs that vary 4x.
+
+    ``decode``: the tokens decode steps made over slots x decode steps: the decode waste of a
+    static batch (its rows wait for its longest), and what a memory-bound GPU pays (a step
+    costs about the same however many of its rows are busy). ``with prefills``: every token over
+    slots x (decode steps + prefills), a prefill counted as one step in which only the rows it
+    admits make a token (a small prefill on a GPU is a weight read like a step): refilling slots
+    a few rows at a time costs prefills. ``computed``: tokens over the rows the steps actually
+    ran (the loop packs its rows into the fewest slots), what a compute-bound device pays."""
     rng = random.Random(1)
-    count = rows * 4
     lengths = [rng.randint(new_tokens // 2, new_tokens * 2) for _ in range(count)]
     requests = _text_requests(count, lengths, seed=1)
     found = {}
@@ -127,15 +136,22 @@ def waste_round(engine: Any, rows: int, new_tokens: int) -> dict[str, dict[str, 
         engine.set_decode(mode="loop", inflight=inflight, slots=rows)
         engine.run(requests[:rows])  # warm
         decode = engine.decoder.stats
-        before = (decode.row_steps, decode.useful_steps)
+        before = dict(vars(decode))
         started = time.perf_counter()
         results = engine.run(requests)
         elapsed = time.perf_counter() - started
         require_success(results)
-        tokens = sum(r.usage.completion_tokens for r in results)
-        slot_steps = decode.row_steps - before[0]
-        useful = decode.useful_steps - before[1]
-        found[name] = {"useful": useful / slot_steps, "tok_s": tokens / elapsed}
+        grew = {key: getattr(decode, key) - before[key] for key in before}
+        tokens = grew["useful_steps"]
+        steps, prefills = grew["steps"], grew["prefills"]
+        found[name] = {
+            "steps": steps,
+            "prefills": prefills,
+            "decode": (tokens - grew["admitted_rows"]) / (rows * steps),
+            "with prefills": tokens / (rows * (steps + prefills)),
+            "computed": tokens / grew["row_steps"],
+            "tok_s": sum(r.usage.completion_tokens for r in results) / elapsed,
+        }
     return found
 
 
@@ -211,17 +227,18 @@ def render(
         lines.append(f"| {label} | {_spread(walls)} | {_spread(cpus)} | {_spread(ratios)} |")
     lines += [
         "",
-        f"Decode waste, {args.rows * 4} requests whose max_new_tokens vary 4x "
+        f"Decode waste, {args.requests} requests whose max_new_tokens vary 4x "
         f"({args.new_tokens // 2}-{args.new_tokens * 2}), fixed output lengths, {args.rows} "
         "rows at once:",
         "",
-        "| decoding | useful tokens / slot-steps | generated tok/s |",
-        "| --- | ---: | ---: |",
+        "| decoding | decode steps | prefills | decode tokens / (slots x decode steps) "
+        "| tokens / (slots x (steps + prefills)) | tokens / rows computed | generated tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    keys = ("steps", "prefills", "decode", "with prefills", "computed", "tok_s")
     for name in ("static", "in flight"):
-        useful = [w[name]["useful"] for w in wastes]
-        rates = [w[name]["tok_s"] for w in wastes]
-        lines.append(f"| {name} | {_spread(useful)} | {_spread(rates)} |")
+        cells = [_spread([w[name][key] for w in wastes]) for key in keys]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
     if starts:
         cold = [s["cold"]["ready_s"] for s in starts]
         warm = [s["warm"]["ready_s"] for s in starts]
@@ -249,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--requests", type=int, default=512, help="requests in the decode-waste workload"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=".vlmq/bench")
     parser.add_argument("--write", default="bench/README.md", help="'' to print only")
@@ -271,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     hosts, wastes, starts = [], [], []
     for round_ in range(args.rounds):
         hosts.append(host_time_round(engine, args.rows, args.new_tokens))
-        wastes.append(waste_round(engine, args.rows, args.new_tokens))
+        wastes.append(waste_round(engine, args.rows, args.new_tokens, args.requests))
         if args.compile_starts:
             starts.append(compile_starts(folder, Path(args.workdir).resolve()))
         print(

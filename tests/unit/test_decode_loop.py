@@ -124,12 +124,14 @@ def _same(expected: Result, got: Result) -> None:
             ]
 
 
-# Rows in flight decode beside rows of other micro-batches: each row's arithmetic is its own,
-# but a matrix product over more rows may round its last bit differently, and over 127 sampled
-# tokens the JSON-object row meets a near-tie that falls the other way (measured on qwen2_5_vl,
-# token 125; with micro-batches decoding alone it is identical). Short sampled rows and every
-# greedy row stay exact; that row is checked for what it must be (JSON, finished).
-NEAR_TIES_IN_FLIGHT = frozenset({"json_object"})
+# The loop's arithmetic for a row is the same as generate's, in another order: attention runs
+# over a bucket of positions with the others masked (generate's over exactly the row's), and a
+# step is as wide as the rows the loop holds (other micro-batches join in flight, finished rows
+# leave), so a reduction may round its last bit otherwise. Greedy rows and short sampled rows
+# stay exact; over 127 sampled tokens the JSON-object row meets a near-tie that falls the other
+# way (measured on qwen2_5_vl at token 125, alone as in a batch), so it is checked for what it
+# must be (JSON, finished) instead.
+NEAR_TIES = frozenset({"json_object"})
 
 
 def _check_all(
@@ -157,7 +159,8 @@ def test_the_reference_honours_every_control(reference: dict[str, Result]) -> No
 
 def test_the_loop_gives_generates_tokens_one_micro_batch_at_a_time(engine, reference, media):
     engine.set_decode(mode="loop", inflight=False, slots=None, sync_every=8)
-    _check_all(reference, _run(engine, every_control(media)))
+    _check_all(reference, _run(engine, every_control(media)), NEAR_TIES)
+    assert engine.decoder.stats.compactions >= 1  # rows that ended left the step
 
 
 def test_the_loop_in_flight_refills_slots_and_gives_the_same_tokens(
@@ -168,7 +171,7 @@ def test_the_loop_in_flight_refills_slots_and_gives_the_same_tokens(
     micro-batch did in generate."""
     engine.set_decode(mode="loop", inflight=True, slots=8, admit_rows=4, sync_every=3)
     results = _run(engine, every_control(media))
-    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
+    _check_all(reference_by_four, results, NEAR_TIES)
     stats = engine.decoder.stats
     assert stats.admitted_rows == stats.finished_rows == 18
     assert stats.useful_steps <= stats.row_steps
@@ -183,7 +186,7 @@ def test_replayed_steps_give_the_eager_tokens(engine, reference_by_four, media):
     graphs = ReplayGraphs()
     engine.decoder.runner = StepRunner(graphs)
     results = _run(engine, every_control(media))
-    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
+    _check_all(reference_by_four, results, NEAR_TIES)
     runner = engine.decoder.runner
     assert runner.stats.captured == len(graphs.captured) > 2
     assert runner.stats.eager_steps == 0 and graphs.replays == runner.stats.replays
@@ -197,7 +200,7 @@ def test_a_capture_that_fails_falls_back_to_eager_once(engine, reference_by_four
     engine.decoder.runner = StepRunner(graphs)
     with caplog.at_level(logging.WARNING, logger="vlmq.workers.engine.graphs"):
         results = _run(engine, every_control(media))
-    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
+    _check_all(reference_by_four, results, NEAR_TIES)
     assert graphs.attempts == 1
     failures = [r for r in caplog.records if "capture failed" in r.getMessage()]
     assert len(failures) == 1 and "decoding eagerly" in failures[0].getMessage()
@@ -225,11 +228,11 @@ def test_a_failed_decode_step_hands_its_rows_to_generate(engine, reference_by_fo
             results = _run(engine, every_control(media))
     finally:
         model.logits = logits
-    _check_all(reference_by_four, results, NEAR_TIES_IN_FLIGHT)
+    _check_all(reference_by_four, results, NEAR_TIES)
     assert any("a decode step failed" in r.getMessage() for r in caplog.records)
     # The loop serves what comes next.
     steps = engine.decoder.stats.steps
-    _check_all(reference_by_four, _run(engine, every_control(media)), NEAR_TIES_IN_FLIGHT)
+    _check_all(reference_by_four, _run(engine, every_control(media)), NEAR_TIES)
     assert engine.decoder.stats.steps > steps
 
 

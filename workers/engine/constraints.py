@@ -323,6 +323,15 @@ class SlotConstraints:
             if self.matchers.pop(slot, None) is not None:
                 self.host[slot] = -1
 
+    def move(self, moves: Iterable[tuple[int, int]]) -> None:
+        """Rows moved slots (source, target): their matchers and next masks follow."""
+        for source, target in moves:
+            matcher = self.matchers.pop(source, None)
+            if matcher is not None:
+                self.matchers[target] = matcher
+                self.host[target] = self.host[source]
+                self.host[source] = -1
+
     def upload(self, bitmask: torch.Tensor, rows: int) -> None:
         bitmask[:rows].copy_(self.host[:rows], non_blocking=True)
 

@@ -23,6 +23,7 @@ go up before the control step.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
 import uuid
@@ -128,19 +129,26 @@ class _Entry:
     share_from: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
     entry: _Entry
     copy: int
     spec: RowSpec
     start: int  # its prompt's padded length: where its first new token's key goes
     admitted_step: int
+    serial: int  # which admission: a slot's rows over time are told apart by it
     checked: int = 0  # generated tokens already checked for stop strings
+
+    @property
+    def last_step(self) -> int:
+        """The loop step after which its max_new_tokens-th token is chosen."""
+        return self.admitted_step + self.spec.max_new - 1
 
 
 @dataclass
 class DecodeStats:
     steps: int = 0
+    prefills: int = 0  # micro-batches admitted (each gives its rows their first tokens)
     graph_steps: int = 0  # steps replayed as CUDA graphs (the rest ran eagerly)
     syncs: int = 0
     admitted_rows: int = 0
@@ -148,6 +156,7 @@ class DecodeStats:
     row_steps: int = 0  # rows x steps computed (a step's rows bucket; first tokens included)
     useful_steps: int = 0  # tokens that made it into an output
     grown: int = 0
+    compactions: int = 0  # times rows moved down to fewer slots
     prefill_s: float = 0.0  # wall
     decode_s: float = 0.0  # wall of the steps
     constrained_steps: int = 0  # steps that waited for the host's constraint masks
@@ -196,11 +205,14 @@ class Decoder:
         self._occupied = np.zeros(slots, dtype=bool)
         self._top = 0  # slots in use are all below this
         self._free = list(range(slots))  # a heap: lowest slots first keeps the rows bucket small
-        self._ends: list[tuple[int, int]] = []  # heap of (step a row reaches its limit, slot)
+        # Heap of (the step a row reaches its max_new_tokens, its serial, its slot): the syncs
+        # the loop knows it needs. Entries of rows gone or moved are skipped when they surface.
+        self._ends: list[tuple[int, int, int]] = []
         self._lead = -(1 << 60)  # max over rows of (start - admitted_step): the longest row
         self._features = Features()
         self._step = 0
         self._requests = 0  # requests with rows in the loop
+        self._serials = itertools.count()
         self._next_sync = 0
         self._share = 0.0  # cumulative model seconds per row of the steps run (apportioning)
         self._pending: set[int] = set()  # slots whose last chosen token the matchers lack
@@ -258,6 +270,7 @@ class Decoder:
         self._remember(admission, slots, mask, length, prefill_s)
         self.stats.prefill_s += prefill_s
         self.stats.admitted_rows += len(slots)
+        self.stats.prefills += 1
         self.stats.row_steps += len(slots)  # each row's first token: its prefill's step
 
     def _ensure_cache(self, like: KvLayers, needed: int) -> None:
@@ -334,11 +347,13 @@ class Decoder:
             entry.model_s += prefill_s * real[r] / total
             spec = admission.specs[r]
             slot = slots[r]
-            self._rows[slot] = _Row(entry, copy, spec, length, self._step)
+            self._rows[slot] = _Row(entry, copy, spec, length, self._step, next(self._serials))
             self._occupied[slot] = True
             self._top = max(self._top, slot + 1)
             self._lead = max(self._lead, length - self._step)
-            heapq.heappush(self._ends, (self._step + spec.max_new - 1, slot))
+            row = self._rows[slot]
+            assert row is not None
+            heapq.heappush(self._ends, (row.last_step, row.serial, slot))
         self._requests += len(entries)
         self._next_sync = self._step  # the first tokens may have ended rows already
 
@@ -455,7 +470,7 @@ class Decoder:
         self.timer.collect()
         rows = self._top
         self._next_sync = self._step + self.sync_every
-        while self._ends and self._rows[self._ends[0][1]] is None:
+        while self._ends and not self._current(self._ends[0]):
             heapq.heappop(self._ends)
         if self._ends:
             self._next_sync = max(self._step, min(self._next_sync, self._ends[0][0]))
@@ -536,7 +551,48 @@ class Decoder:
                 self._requests -= 1
                 finished.append(self._finished(entry, now))
         self._after_release()
+        self._compact()
         return finished
+
+    def _compact(self) -> None:
+        """Rows left in high slots keep every step as wide as the highest of them: when the rows
+        in use would fit a smaller rows bucket, move the high ones down (their keys and values
+        up to the current length, and every per-slot state), so a step computes only them."""
+        busy = self.busy_rows
+        target = self._rows_bucket(busy)
+        if not busy or target >= self._rows_bucket(self._top):
+            return
+        if self._pending and self.constraints:
+            # The matchers take the tokens chosen last, by the slots they were chosen in.
+            self._advance_matchers(self._top)
+        high = [slot for slot in np.flatnonzero(self._occupied).tolist() if slot >= target]
+        low = [slot for slot in range(target) if not self._occupied[slot]][: len(high)]
+        sources = torch.tensor(high, device=self.device)
+        targets = torch.tensor(low, device=self.device)
+        assert self.cache is not None
+        front = min(self._step + self._lead, self.cache.capacity - 1)
+        self.cache.move(sources, targets, bucket(front + 1, self.lengths))
+        for tensor in (self.tokens, self.write_pos, self.positions, self.active, self.valid):
+            tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+        self.controls.move(sources, targets)
+        self.active.index_fill_(0, sources, False)
+        self.write_pos.index_fill_(0, sources, 0)
+        self.controls.release(sources)
+        if self.constraints is not None:
+            self.constraints.move(zip(high, low, strict=True))
+        for source, target in zip(high, low, strict=True):
+            row = self._rows[source]
+            assert row is not None
+            self._rows[target], self._rows[source] = row, None
+            self._occupied[target], self._occupied[source] = True, False
+            heapq.heappush(self._ends, (row.last_step, row.serial, target))
+            if source in self._pending:
+                self._pending.discard(source)
+                self._pending.add(target)
+        self._free = [slot for slot in range(self.slots) if not self._occupied[slot]]
+        heapq.heapify(self._free)
+        self._after_release()
+        self.stats.compactions += 1
 
     def _logprobs(self, index: torch.Tensor) -> Callable[[int, int], list[dict[str, Any]]] | None:
         controls = self.controls
@@ -600,5 +656,9 @@ class Decoder:
         return list(items.values())
 
     # helpers -------------------------------------------------------------------------------
+    def _current(self, end: tuple[int, int, int]) -> bool:
+        row = self._rows[end[2]]
+        return row is not None and row.serial == end[1]
+
     def _rows_bucket(self, rows: int) -> int:
         return bucket(max(1, rows), self.row_sizes)

@@ -283,7 +283,21 @@ class SlotControls:
         self.top_values[index, column, :width] = torch.where(keep, values, old_values)
         self.top_ids[index, column, :width] = torch.where(keep, ids, old_ids)
 
-    # release -------------------------------------------------------------------------------
+    # moving and releasing ------------------------------------------------------------------
+    def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Rows move slots (the loop packs its rows into fewer): every per-slot state follows."""
+        for tensor in self._per_slot():
+            tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+
+    def _per_slot(self) -> list[torch.Tensor]:
+        found = [
+            self.steps, self.max_new, self.min_tokens, self.done, self.check, self.has_stop,
+            self.sampled, self.temperature, self.top_p, self.keys, self.repetition,
+            self.presence, self.frequency, self.out, self.counts, self.in_prompt,
+            self.stop_ends, self.logprob, self.top_values, self.top_ids, self.bitmask,
+        ]  # fmt: skip
+        return [t for t in found if t is not None]
+
     def release(self, slots: torch.Tensor) -> None:
         """Slots whose rows were taken out: done, so a step leaves them alone until reused."""
         self.done.index_fill_(0, slots, True)

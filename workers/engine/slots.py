@@ -77,6 +77,12 @@ class SlotCache:
             store_k[:, :, :length].index_copy_(0, slots, k.to(store_k.dtype))
             store_v[:, :, :length].index_copy_(0, slots, v.to(store_v.dtype))
 
+    def move(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Rows' first ``length`` positions from ``sources`` to ``targets`` (slots)."""
+        for store in (*self.keys, *self.values):
+            part = store[:, :, :length]
+            part.index_copy_(0, targets, part.index_select(0, sources))
+
     def view(self, rows: int, length: int, write_pos: torch.Tensor) -> SlotView:
         """The first ``rows`` slots by ``length`` positions; ``write_pos`` (rows,) on the device
         says where each row's new token goes (read when the model runs, not now)."""

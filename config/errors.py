@@ -6,7 +6,8 @@ that never contains a raw exception text, a stack trace or an object repr.
     VlmqError
     ├── PermanentError            the task fails; retrying cannot help
     │   ├── InvalidRequest        invalid_request
-    │   │   └── StagingRefused    staging_refused (media no store took and no worker could read)
+    │   │   ├── StagingRefused    staging_refused (media no store took and no worker could read)
+    │   │   └── RequestTooLarge   request_too_large (its message would pass what workers take)
     │   ├── MediaError
     │   │   ├── MediaFetchFailed  media_fetch_failed (4xx, missing file, bad URL)
     │   │   ├── MediaTooLarge     media_too_large
@@ -48,6 +49,7 @@ __all__ = [
     "PermanentError",
     "PromptTooLong",
     "QuotaExceeded",
+    "RequestTooLarge",
     "ResultNotStored",
     "RetryableError",
     "StagingRefused",
@@ -103,6 +105,13 @@ class StagingRefused(InvalidRequest):
     message names the setting that fixes it. Raised before anything is enqueued."""
 
     code = "staging_refused"
+
+
+class RequestTooLarge(InvalidRequest):
+    """A request whose queued message would be larger than the workers take
+    (``fleet.max_message_bytes``). Raised before anything is enqueued."""
+
+    code = "request_too_large"
 
 
 class MediaError(PermanentError):

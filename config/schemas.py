@@ -17,7 +17,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from vlmq.config.constraints import (
@@ -32,6 +39,7 @@ from vlmq.config.ids import ID_MAX_LENGTH, ID_PATTERN
 
 __all__ = [
     "MAX_N",
+    "MAX_PARTS",
     "MAX_TOP_LOGPROBS",
     "Choice",
     "FinishReason",
@@ -44,6 +52,8 @@ __all__ = [
     "TextPart",
     "Usage",
     "VideoPart",
+    "bounded_conversation",
+    "count_parts",
     "new_task_id",
 ]
 
@@ -137,6 +147,36 @@ class Message(BaseModel):
         if isinstance(value, list):
             return [normalise_part(part) for part in value]
         raise ValueError("content must be a string or a list of parts")
+
+
+# A request's content parts, at most (a turn whose content is a string is one part, an empty
+# turn counts one). A part costs about 2 KB of Python objects wherever a request is parsed
+# (the API, a worker) against a few bytes of JSON: a 30 MB body of a million one-word turns
+# took an API process to 2.5 GB (docs/reliability.md). Counted before any turn is built.
+MAX_PARTS = 4096
+
+
+def _content_of(turn: Any) -> Any:
+    return turn.get("content") if isinstance(turn, dict) else getattr(turn, "content", None)
+
+
+def count_parts(turns: Any) -> int:
+    """The content parts of a conversation as given (turns as dicts or models; anything else
+    counts nothing: validation refuses it)."""
+    if not isinstance(turns, list):
+        return 0
+    return sum(
+        max(1, len(content)) if isinstance(content := _content_of(turn), list) else 1
+        for turn in turns
+    )
+
+
+def bounded_conversation(turns: Any) -> Any:
+    """Refuse a conversation of more than MAX_PARTS content parts before a model is built
+    for any of its turns (a before-validator of ``messages``)."""
+    if isinstance(turns, list) and (len(turns) > MAX_PARTS or count_parts(turns) > MAX_PARTS):
+        raise ValueError(f"at most {MAX_PARTS} content parts in all (a turn counts one at least)")
+    return turns
 
 
 # One request's completions are rows of one padded batch: a bound keeps a request's share of a
@@ -266,7 +306,7 @@ class Request(BaseModel):
     id: str = Field(default_factory=new_task_id, pattern=ID_PATTERN, max_length=ID_MAX_LENGTH)
     custom_id: str | None = Field(None, max_length=512)
     job_id: str | None = Field(None, pattern=ID_PATTERN, max_length=ID_MAX_LENGTH)
-    messages: list[Message] = Field(min_length=1)
+    messages: Annotated[list[Message], BeforeValidator(bounded_conversation)] = Field(min_length=1)
     generation: GenerationParams = Field(default_factory=GenerationParams)
 
     @model_validator(mode="before")

@@ -585,7 +585,8 @@ class FleetSettings(BaseModel):
         64 * MiB,
         ge=1024,
         description="A message larger than this (bytes) fails as invalid_request without "
-        "being parsed.",
+        "being parsed. Producers refuse a request whose message would be larger before "
+        "enqueueing it (the API: 413, and no task or chat body over it is read).",
     )
     batch_time_limit_s: float = Field(
         900.0,
@@ -762,7 +763,19 @@ class ApiSettings(BaseModel):
     unauthenticated_rate_limit_burst: int = Field(
         20, ge=1, description="Burst of unauthenticated_rate_limit_per_s."
     )
-    max_body_bytes: int = Field(32 * MiB, description="Largest request body (32 MiB).")
+    max_body_bytes: int = Field(
+        32 * MiB,
+        description="Largest request body (32 MiB). A task's or a chat completion's is also "
+        "at most fleet.max_message_bytes (what a worker takes); an upload's is "
+        "max_file_bytes.",
+    )
+    max_body_objects: int = Field(
+        262_144,
+        ge=1,
+        description="Most JSON objects and arrays in one request body (413 past it, counted "
+        "while parsing, before the rest is built): each costs ~70 bytes of memory once "
+        "parsed against two or three bytes of JSON.",
+    )
     max_batch_items: int = Field(1000, description="Most requests in one POST /v1/tasks:batch.")
     rate_limit_per_s: float = Field(
         50.0,

@@ -30,6 +30,7 @@ __all__ = [
     "decode_envelope",
     "decode_message",
     "encode_message",
+    "largest_request",
     "peek_envelope",
     "priority_lists",
 ]
@@ -89,6 +90,12 @@ def list_for_priority(queue: str, priority: int) -> str:
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 _EMBED_JSON = json.dumps(_EMBED, separators=(",", ":"))
+# What a message adds to its request's JSON besides base64: the protocol-2 body around it
+# (its kwargs and embed) and the headers and properties. Measured at their longest (ids of
+# 128 characters, a job's prepared queue under the prefix "vlmq", a host name of 253
+# characters, an expiry): 1,464 bytes; the rest is room for a longer key prefix.
+_ENVELOPE_BYTES = 2048
+_BODY_FRAME_BYTES = len(f'[[],{{"request":}},{_EMBED_JSON}]')
 
 
 def encode_message(
@@ -142,6 +149,13 @@ def encode_message(
         "properties": properties,
     }
     return json.dumps(message, separators=(",", ":"))
+
+
+def largest_request(max_message_bytes: int) -> int:
+    """The most UTF-8 bytes a request's JSON may take for its message to stay within
+    ``max_message_bytes`` (what a worker takes: ``fleet.max_message_bytes``). The body is
+    base64: a message weighs 4/3 of its request, and the envelope."""
+    return max(0, (max_message_bytes - _ENVELOPE_BYTES) * 3 // 4 - _BODY_FRAME_BYTES)
 
 
 def _parse_expires(value: Any) -> datetime | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import islice
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from vlmq.config.connection import create_redis
-from vlmq.config.errors import InvalidRequest
+from vlmq.config.errors import InvalidRequest, RequestTooLarge
 from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
@@ -33,7 +33,7 @@ from vlmq.config.settings import Settings
 from vlmq.config.state import State
 from vlmq.config.state.jobs import Queued
 from vlmq.config.status import TERMINAL, TaskState
-from vlmq.config.wire import encode_message
+from vlmq.config.wire import encode_message, largest_request
 from vlmq.producers.preflight.accumulator import Preflight
 from vlmq.producers.staging import MediaStager
 
@@ -121,6 +121,21 @@ class Client:
         self.state.tenants.check_quota(tenant, quota, tasks, tokens)
 
     # enqueue -------------------------------------------------------------
+    def wire(self, request: Request) -> str:
+        """``request``'s JSON as its message carries it; RequestTooLarge when that message
+        would be larger than the workers take (``fleet.max_message_bytes``: each fails such
+        a message unread), so it is refused before anything is enqueued."""
+        wire = request.model_dump_json(exclude_none=True)
+        size = len(wire) if wire.isascii() else len(wire.encode())
+        limit = largest_request(self.settings.fleet.max_message_bytes)
+        if size > limit:
+            raise RequestTooLarge(
+                f"the request is {size:,} bytes once staged; a worker takes messages of at "
+                f"most {self.settings.fleet.max_message_bytes:,} bytes, requests of at most "
+                f"{limit:,}"
+            )
+        return wire
+
     def queued(
         self,
         request: Request,
@@ -129,9 +144,11 @@ class Client:
         tenant: str | None = None,
         est: int | None = None,
         results: bool = False,
+        wire: str | None = None,
     ) -> Queued:
         """``request`` as it is enqueued: its queue, status fields and Celery message (with
-        ``results``, one that asks for a Celery result too: docs/celery.md)."""
+        ``results``, one that asks for a Celery result too: docs/celery.md). ``wire``: its
+        JSON, if ``wire()`` gave it already. RequestTooLarge past what workers take."""
         queue = self.keys.lane_queue(request.modality.value, lane, request.job_id)
         fields = {
             "job_id": request.job_id,
@@ -142,9 +159,12 @@ class Client:
             "tenant": tenant or self.tenant,
             "est": est,
         }
-        wire = request.model_dump_json(exclude_none=True)
         message = encode_message(
-            wire, request.id, queue, expires=expires, ignore_result=not results
+            wire or self.wire(request),
+            request.id,
+            queue,
+            expires=expires,
+            ignore_result=not results,
         )
         return Queued(request.id, request.custom_id, request.modality.value, fields, message)
 
@@ -157,12 +177,14 @@ class Client:
         estimates: list[int] | None = None,
         results: bool = False,
         notify: str | None = None,
+        wires: Mapping[str, str] | None = None,
     ) -> None:
         """Enqueue requests outside any bulk job's own list (a lane's own list), all or
         nothing, in one script call: each with its status hash, counted in its tenant's quota
         itself (its 'quota' field) and in its job, if it names one. A bulk job's tasks go
         through ``Jobs.submit`` or a feed instead. ``notify``: a pub/sub channel told each
-        task's id when it ends (``Keys.finished_channel``: a process waiting for them)."""
+        task's id when it ends (``Keys.finished_channel``: a process waiting for them).
+        ``wires``: their JSON by task id, if ``wire()`` gave it already."""
         tenant = tenant or self.tenant
         quota = self.keys.quota(tenant)
         lines = []
@@ -172,7 +194,8 @@ class Client:
                     "a bulk job's tasks are submitted with submit_many or vlmq submit"
                 )
             est = estimates[index] if estimates else None
-            line = self.queued(request, lane, expires, tenant, est, results)
+            wire = wires.get(request.id) if wires else None
+            line = self.queued(request, lane, expires, tenant, est, results, wire)
             lines.append(replace(line, fields={**line.fields, "quota": quota, "notify": notify}))
         self.state.jobs.enqueue(tenant, lines)
 
@@ -219,7 +242,8 @@ class Client:
 
         Every item is validated and its media staged before anything is enqueued, so a bad
         item raises InvalidRequest (naming the item and field; StagingRefused when its media
-        can reach no worker) and enqueues nothing; past the tenant's quota QuotaExceeded.
+        can reach no worker, RequestTooLarge when its message would be larger than a worker
+        takes) and enqueues nothing; past the tenant's quota QuotaExceeded.
         With ``results`` each task's result is recorded in the Celery result backend too
         (``vlmq.celery.submit_many``).
         """
@@ -231,6 +255,7 @@ class Client:
         self.check_quota(tenant, len(requests), sum(estimates or ()))
         est = dict(zip((r.id for r in requests), estimates or (), strict=False))
         requests = self._staged(requests, base_dir)
+        wires = self._wires(requests)
         submission = self.open_job(job_id, name, expires_in_s, webhook_url, tenant)
         expires = self.expiry_after(expires_in_s)
         for batch in _chunked(iter(requests), chunk):
@@ -241,7 +266,7 @@ class Client:
                 # Every item is a new task (no custom_id claims: ids are the caller's).
                 lines = [
                     replace(
-                        self.queued(r, lane, expires, tenant, est.get(r.id), results),
+                        self.queued(r, lane, expires, tenant, est.get(r.id), results, wires[r.id]),
                         custom_id=None,
                     )
                     for r in batch
@@ -249,7 +274,7 @@ class Client:
                 self.state.jobs.submit(job_id, submission, lines)
             else:
                 estimated = [est[r.id] for r in batch] if est else None
-                self.enqueue(batch, lane, expires, tenant, estimated, results)
+                self.enqueue(batch, lane, expires, tenant, estimated, results, wires=wires)
         self.seal_job(job_id, submission, lines=len(requests))
         return job_id
 
@@ -260,6 +285,16 @@ class Client:
             if isinstance(outcome, InvalidRequest):
                 raise type(outcome)(f"item {index}: {outcome.message}") from None
         return cast(list[Request], staged)
+
+    def _wires(self, requests: list[Request]) -> dict[str, str]:
+        """Every request's JSON by id, or the first that is too large, naming its item."""
+        wires = {}
+        for index, request in enumerate(requests):
+            try:
+                wires[request.id] = self.wire(request)
+            except RequestTooLarge as exc:
+                raise RequestTooLarge(f"item {index}: {exc.message}") from None
+        return wires
 
     def _refuse_known_ids(self, requests: list[Request], chunk: int = 5000) -> None:
         """A task id names one task forever: re-enqueueing one that exists would

@@ -17,7 +17,6 @@ import contextlib
 import json
 import secrets
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,8 +53,6 @@ _STATUS_FIELDS = (
     "alone",
     "returns",
 )
-# Jobs whose tenant an intake remembers (a fed task's hash carries none: its job's it is).
-_JOB_TENANTS_KEPT = 4096
 _TERMINAL_CSV = ",".join(sorted(s.value for s in TERMINAL))
 
 
@@ -141,7 +138,6 @@ class Intake:
         self.role = role
         self.first = first_lists(keys, modality, role)
         self.lists = [*self.first, *priority_lists(keys.queue(modality, "bulk"))]
-        self._job_tenants: OrderedDict[str, str] = OrderedDict()
 
     def pull(self, limit: int, lease_s: float) -> Pull:
         """Atomically move up to ``limit`` messages into this worker's hands, leased for
@@ -158,22 +154,20 @@ class Intake:
         return Pull(deliveries, float(now), int(dropped))
 
     def _with_tenants(self, deliveries: Sequence[Delivery]) -> None:
-        """Every delivery's status names its tenant: its own, else its job's (one pipelined
-        read for the jobs this worker has not seen), else the default."""
+        """Every delivery's status names its tenant: its own, else its job's as the job's
+        hash says now, else the default. Read at every pull (one pipelined HGET per job the
+        pull's fed tasks came from), never remembered: a job id names another job once its
+        hash expired, perhaps another tenant's (docs/tenants-ha.md)."""
         jobless = [d for d in deliveries if "tenant" not in d.status]
-        unknown = {
-            job for d in jobless if (job := d.status.get("job_id")) and job not in self._job_tenants
-        }
-        if unknown:
+        jobs = list({job for d in jobless if (job := d.status.get("job_id"))})
+        owners: dict[str, str] = {}
+        if jobs:
             pipe = self.redis.pipeline(transaction=False)
-            for job in unknown:
+            for job in jobs:
                 pipe.hget(self.keys.job(job), "tenant")
-            for job, stored in zip(unknown, pipe.execute(), strict=True):
-                self._job_tenants[job] = stored or DEFAULT_TENANT
-                while len(self._job_tenants) > _JOB_TENANTS_KEPT:
-                    self._job_tenants.popitem(last=False)
+            owners = dict(zip(jobs, pipe.execute(), strict=True))
         for d in jobless:
-            d.status["tenant"] = self._job_tenants.get(d.status.get("job_id") or "", DEFAULT_TENANT)
+            d.status["tenant"] = owners.get(d.status.get("job_id") or "") or DEFAULT_TENANT
 
 
 class Leases:

@@ -75,7 +75,13 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         "/metrics", _metrics, methods=["GET"], dependencies=secured, include_in_schema=False
     )
     # Added last = outermost: metrics see every answer, the gate's refusals too.
-    app.add_middleware(Gate, settings=settings.api, keys=keys, limiter=ctx.limiter)
+    app.add_middleware(
+        Gate,
+        settings=settings.api,
+        keys=keys,
+        limiter=ctx.limiter,
+        max_message_bytes=settings.fleet.max_message_bytes,
+    )
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app
 

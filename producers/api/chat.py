@@ -11,7 +11,9 @@ and result when woken. It answers the ``chat.completion``, the task's error with
 Server-Sent Events (``chat_stream.py``).
 
 Errors are OpenAI's error object (``type``, ``message``, ``param``, ``code``); a bad body is
-a 400, as OpenAI answers it (``openai_route.py``).
+a 400, as OpenAI answers it (``openai_route.py``), a body or request larger than a worker
+takes a 413. Nothing of a body is parsed, converted or enqueued on the event loop: the body
+in the thread pool (``bodies.py``), the rest in ``_request_of`` and ``_submit``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 # The task's id, on every answer of a call that enqueued one.
 TASK_HEADER = "x-vlmq-task-id"
+
+
+def _request_of(body: Body) -> Request:
+    """The vlmq request a body asks for (in the thread pool: a body may weigh megabytes)."""
+    return request_from_body(
+        body.model_dump(exclude_unset=True, exclude={"stream", "stream_options"})
+    )
 
 
 def _submit(ctx: ApiContext, request: Request, tenant: str, channel: str) -> None:
@@ -113,10 +122,9 @@ async def create_chat_completion(body: Body, http: HttpRequest) -> Response:
     ctx: ApiContext = http.app.state.ctx
     waiter: TaskWaiter = http.app.state.waiter
     caller = caller_of(http)
-    fields = body.model_dump(exclude_unset=True)
-    stream = bool(fields.pop("stream", False))
-    include_usage = bool((fields.pop("stream_options", None) or {}).get("include_usage"))
-    request = request_from_body(fields)
+    stream = bool(body.stream)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    request = await run_in_threadpool(_request_of, body)
     # Watched before it exists: its end cannot be missed.
     watch = waiter.watch(request.id)
     try:

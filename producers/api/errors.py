@@ -15,18 +15,25 @@ import math
 from typing import Any
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
-from vlmq.config.errors import InvalidRequest, QuotaExceeded, RetryableError, VlmqError
+from vlmq.config.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    RequestTooLarge,
+    RetryableError,
+    VlmqError,
+)
 
 __all__ = [
     "ApiError",
     "ApiErrorDetail",
+    "BodyTooLarge",
     "ErrorBody",
     "error_body",
     "error_response",
@@ -111,6 +118,16 @@ class ApiError(Exception):
         self.extra = extra
 
 
+class BodyTooLarge(HTTPException):
+    """A body refused while it is read or parsed (413 ``body_too_large``, with its reason).
+    An HTTPException: FastAPI passes it on from a body read, where it turns any other
+    exception into a 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, detail=message)
+        self.message = message
+
+
 def error_body(
     status: int,
     code: str,
@@ -151,6 +168,8 @@ def validation_problem(exc: RequestValidationError) -> tuple[str | None, str]:
 
 
 def _status_of(exc: VlmqError) -> int:
+    if isinstance(exc, RequestTooLarge):
+        return 413
     if isinstance(exc, InvalidRequest):
         return 422
     if isinstance(exc, QuotaExceeded):
@@ -189,6 +208,8 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, BodyTooLarge):
+        return error_response(413, "body_too_large", exc.message)
     if exc.status_code == 400:
         # FastAPI's only 400: a body it could not decode. Same answer as bad JSON.
         return error_response(422, "invalid_request", "body: could not be parsed")

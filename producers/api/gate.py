@@ -3,6 +3,10 @@
 It is plain ASGI middleware, so an unauthenticated or rate-limited caller is
 turned away before a byte of its body is read, and the body cap is enforced
 while the body streams in (a lying or absent Content-Length does not help).
+A route's cap is what its body may need: an upload ``max_file_bytes``; a body that becomes
+one queued message (a task, a chat completion) no more than a worker takes
+(``fleet.max_message_bytes``: the body could only shrink to fit by staging inline media);
+any other ``max_body_bytes``.
 The caller a key stands for is left in the request's state for the routes
 (``auth.caller_of``).
 """
@@ -26,6 +30,8 @@ __all__ = ["Gate"]
 
 # Uploads have their own, larger cap (settings.api.max_file_bytes).
 _UPLOAD_PATHS = frozenset({"/v1/files"})
+# Bodies that become one queued message each: a worker's limit bounds them.
+_MESSAGE_PATHS = frozenset({"/v1/tasks", "/v1/chat/completions"})
 
 
 class _BodyTooLarge(Exception):
@@ -34,12 +40,19 @@ class _BodyTooLarge(Exception):
 
 class Gate:
     def __init__(
-        self, app: ASGIApp, settings: ApiSettings, keys: KeyBook, limiter: RateLimiter
+        self,
+        app: ASGIApp,
+        settings: ApiSettings,
+        keys: KeyBook,
+        limiter: RateLimiter,
+        max_message_bytes: int,
     ) -> None:
+        """``max_message_bytes``: the largest message a worker takes (``fleet``'s)."""
         self.app = app
         self.settings = settings
         self.keys = keys
         self.limiter = limiter
+        self.max_message_bytes = max_message_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,9 +76,9 @@ class Gate:
             refusal = await self._admit(scope, headers)
             if refusal is not None:
                 return refusal
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self._body_cap(scope):
-            return _too_large()
+        declared, cap = headers.get("content-length", ""), self._body_cap(scope)
+        if declared.isdigit() and int(declared) > cap:
+            return _too_large(cap)
         return None
 
     async def _admit(self, scope: Scope, headers: Headers) -> Any:
@@ -95,6 +108,8 @@ class Gate:
     def _body_cap(self, scope: Scope) -> int:
         if scope["method"] == "POST" and scope["path"] in _UPLOAD_PATHS:
             return self.settings.max_file_bytes
+        if scope["method"] == "POST" and scope["path"] in _MESSAGE_PATHS:
+            return min(self.settings.max_body_bytes, self.max_message_bytes)
         return self.settings.max_body_bytes
 
     async def _capped(self, scope: Scope, receive: Receive, send: Send, cap: int) -> None:
@@ -124,7 +139,7 @@ class Gate:
             if not tripped:  # not ours: the outer error handler answers it
                 raise
         if tripped and not started:
-            await _too_large()(scope, receive, send)
+            await _too_large(cap)(scope, receive, send)
 
 
 def _rate_limited(wait: float) -> Any:
@@ -132,5 +147,7 @@ def _rate_limited(wait: float) -> Any:
     return error_response(429, "rate_limited", "too many requests", {"Retry-After": retry})
 
 
-def _too_large() -> Any:
-    return error_response(413, "body_too_large", "the request body is too large")
+def _too_large(cap: int) -> Any:
+    return error_response(
+        413, "body_too_large", f"the request body is too large: at most {cap:,} bytes here"
+    )

@@ -18,6 +18,7 @@ from vlmq.config.schemas import Modality
 from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.batches import BatchService
+from vlmq.producers.api.bodies import BodyRoute
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses
 from vlmq.producers.api.files import FileRegistry, FileTooLarge
@@ -32,7 +33,7 @@ from vlmq.producers.api.queues import check_capacity
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=BodyRoute)
 
 _READ_ERRORS = error_responses(401, 404, 422, 429, 503)
 _WRITE_ERRORS = error_responses(401, 404, 413, 422, 429, 503)

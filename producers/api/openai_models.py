@@ -8,9 +8,11 @@ they also document the routes in /openapi.json.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from vlmq.config.schemas import MAX_PARTS, bounded_conversation
 
 __all__ = [
     "BatchCreate",
@@ -23,6 +25,7 @@ __all__ = [
     "ChatCompletionChunk",
     "ChatCompletionCreate",
     "ChatMessage",
+    "Conversation",
     "FileList",
     "FileObject",
     "Model",
@@ -177,6 +180,11 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
+# The turns of a body, counted before any is built (config/schemas.py MAX_PARTS).
+Conversation = Annotated[list[ChatMessage], BeforeValidator(bounded_conversation)]
+_PARTS = f"At most {MAX_PARTS} content parts in all (a turn counts one at least)"
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -193,7 +201,7 @@ class ChatCompletionCreate(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="Recorded; the fleet's workers decide (GET /v1/models)")
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Conversation = Field(min_length=1, description=_PARTS)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None

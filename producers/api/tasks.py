@@ -1,32 +1,35 @@
 """Tasks: submit one conversation (or a small batch), read status and result, cancel.
 
 Single tasks go to the interactive lane, so a person waiting on an answer is
-served before bulk jobs of the same class.
+served before bulk jobs of the same class. Bodies are parsed off the event loop
+(``bodies.py``), and what they cost is bounded before any request is built: a conversation's
+content parts (``config/schemas.py`` MAX_PARTS), a batch's in all (MAX_BATCH_PARTS).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from vlmq.config.ids import valid_id
 from vlmq.config.results import ResultStore, result_location
-from vlmq.config.schemas import MAX_N, MAX_TOP_LOGPROBS, Request
+from vlmq.config.schemas import MAX_N, MAX_PARTS, MAX_TOP_LOGPROBS, Request, count_parts
 from vlmq.config.status import TaskState
 from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
+from vlmq.producers.api.bodies import BodyRoute
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
 from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
-from vlmq.producers.api.openai_models import ChatCompletion, ChatMessage
+from vlmq.producers.api.openai_models import ChatCompletion, Conversation
 from vlmq.producers.api.queues import check_capacity
 from vlmq.producers.export import to_chat_completion
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["tasks"])
+router = APIRouter(prefix="/v1", tags=["tasks"], route_class=BodyRoute)
 
 _TERMINAL = {s.value for s in TaskState if s.terminal}
 _READ_ERRORS = error_responses(401, 404, 429, 503)
@@ -44,7 +47,9 @@ class TaskBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Conversation = Field(
+        min_length=1, description=f"At most {MAX_PARTS} content parts in all"
+    )
     custom_id: str | None = None
     max_new_tokens: int | None = None
     temperature: float | None = None
@@ -100,8 +105,28 @@ class CancelReply(BaseModel):
     status: str
 
 
+# The content parts of one POST /v1/tasks:batch in all (each request counts one at least):
+# what its requests cost to build is bounded whatever their number.
+MAX_BATCH_PARTS = 16 * MAX_PARTS
+
+
+def _bounded_batch(items: Any) -> Any:
+    """Refuse a batch of more than MAX_BATCH_PARTS parts before any item is validated."""
+    if not isinstance(items, list):
+        return items
+    if len(items) > MAX_BATCH_PARTS or sum(_parts_of(item) for item in items) > MAX_BATCH_PARTS:
+        raise ValueError(f"at most {MAX_BATCH_PARTS} content parts in all the requests")
+    return items
+
+
+def _parts_of(item: Any) -> int:
+    return max(1, count_parts(item.get("messages"))) if isinstance(item, dict) else 1
+
+
 class BatchBody(BaseModel):
-    requests: list[dict[str, Any]] = Field(min_length=1)
+    requests: Annotated[list[dict[str, Any]], BeforeValidator(_bounded_batch)] = Field(
+        min_length=1, description=f"At most {MAX_BATCH_PARTS} content parts in all"
+    )
     lane: Literal["bulk", "interactive"] = "bulk"
     name: str | None = Field(None, max_length=200)
 

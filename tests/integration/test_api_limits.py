@@ -9,7 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_api_support import api_settings
+from vlmq.config import wire
+from vlmq.config.schemas import MAX_PARTS
 from vlmq.producers.api.app import create_app
+from vlmq.producers.api.tasks import MAX_BATCH_PARTS
 from vlmq.producers.client import Client
 
 TASK = {"messages": [{"role": "user", "content": "hi"}]}
@@ -171,3 +174,96 @@ def test_unexpected_errors_leak_nothing(make_http, monkeypatch):
 
 def test_method_not_allowed_is_json(make_http):
     _error(make_http().delete("/v1/tasks"), 405, "method_not_allowed")
+
+
+# bodies bounded by what a worker takes, and by what they build ----------------------------
+# The largest message the fleet's workers take, in these tests.
+MESSAGE_BYTES = 64 * 1024
+
+
+@pytest.fixture
+def limited_http(redis_server, moto_server, request):
+    # No worker runs: a chat body that were queued would answer 504 at once.
+    settings = api_settings(
+        redis_server, moto_server, request.node.name, max_body_objects=200, sync_timeout_s=1
+    )
+    fleet = settings.fleet.model_copy(update={"max_message_bytes": MESSAGE_BYTES})
+    client = TestClient(
+        create_app(settings.model_copy(update={"fleet": fleet})),
+        raise_server_exceptions=False,
+        base_url="http://localhost",
+    )
+    yield client
+    client.close()
+
+
+def _text(chars: int) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "x" * chars}]}
+
+
+def _chat(chars: int) -> dict[str, Any]:
+    return {"model": "m", **_text(chars)}
+
+
+def _nothing_queued(http: Any) -> None:
+    redis = http.app.state.ctx.client.redis
+    assert not redis.keys("vlmq.*") and not redis.keys("vlmq:task:*")
+    assert not redis.keys("vlmq:job:*")
+
+
+def test_task_and_chat_bodies_are_bounded_by_what_a_worker_takes(limited_http):
+    http = limited_http
+    # Larger than a worker's message: refused before it is parsed, by its Content-Length or
+    # while it streams in.
+    over = _error(http.post("/v1/tasks", json=_text(MESSAGE_BYTES)), 413, "body_too_large")
+    assert f"{MESSAGE_BYTES:,} bytes" in over["message"]
+    chat = _error(
+        http.post("/v1/chat/completions", json=_chat(MESSAGE_BYTES)), 413, "body_too_large"
+    )
+    assert chat["type"] == "invalid_request_error"  # OpenAI's error object
+
+    def chunks():
+        yield b'{"messages": [{"role": "user", "content": "'
+        yield b"y" * MESSAGE_BYTES
+        yield b'"}]}'
+
+    streamed = http.post(
+        "/v1/tasks", content=chunks(), headers={"content-type": "application/json"}
+    )
+    _error(streamed, 413, "body_too_large")
+    # A smaller body whose message (base64: 4/3 of it) a worker would not take: refused once
+    # built, before anything is queued; a batch with one such item queues nothing.
+    near = MESSAGE_BYTES * 7 // 8
+    _error(http.post("/v1/tasks", json=_text(near)), 413, "request_too_large")
+    chat = _error(http.post("/v1/chat/completions", json=_chat(near)), 413, "request_too_large")
+    assert chat["type"] == "invalid_request_error"
+    batch = {"requests": [_text(10), _text(near)], "lane": "bulk"}
+    refused = _error(http.post("/v1/tasks:batch", json=batch), 413, "request_too_large")
+    assert refused["message"].startswith("item 1:")
+    _nothing_queued(http)
+    # What fits is taken.
+    fits = wire.largest_request(MESSAGE_BYTES) - 400
+    assert http.post("/v1/tasks", json=_text(fits)).status_code == 202
+    (message,) = http.app.state.ctx.client.redis.lrange("vlmq.text.interactive", 0, -1)
+    assert MESSAGE_BYTES - 2048 < len(message) <= MESSAGE_BYTES
+
+
+def test_a_body_is_bounded_in_what_it_builds(limited_http):
+    http = limited_http
+    # More JSON objects and arrays than max_body_objects (200): refused while parsing.
+    turns = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 250}
+    error = _error(http.post("/v1/chat/completions", json=turns), 413, "body_too_large")
+    assert "more than 200 JSON objects and arrays" in error["message"]
+    # More content parts than a request takes: refused before any turn is built, naming the
+    # field (400 on the OpenAI route, 422 on vlmq's).
+    parts = [{"role": "user", "content": ["x"] * (MAX_PARTS + 1)}]
+    error = _error(http.post("/v1/tasks", json={"messages": parts}), 422, "invalid_request")
+    assert error["param"] == "messages" and f"at most {MAX_PARTS}" in error["message"]
+    chat = http.post("/v1/chat/completions", json={"model": "m", "messages": parts})
+    assert _error(chat, 400, "invalid_request")["param"] == "messages"
+    # A batch's parts in all, whatever its number of requests.
+    per_item = [{"role": "user", "content": ["x"] * MAX_PARTS}]
+    batch = {"requests": [{"messages": per_item}] * (MAX_BATCH_PARTS // MAX_PARTS + 1)}
+    error = _error(http.post("/v1/tasks:batch", json=batch), 422, "invalid_request")
+    assert f"at most {MAX_BATCH_PARTS}" in error["message"]
+    _nothing_queued(http)

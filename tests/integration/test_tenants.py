@@ -25,6 +25,7 @@ from tests.integration.test_api_support import (
     wait_for_state,
     worker_loop,
 )
+from tests.support.services import wait_until
 from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.settings import Settings, TenantQuota, TenantSettings
 from vlmq.config.state.tasks import Move
@@ -767,6 +768,39 @@ def test_a_job_id_of_another_tenant_is_not_reopened(redis_server, moto_server, r
     with pytest.raises(InvalidRequest, match="another tenant"):
         Client(settings, tenant="team-b").submit_many([TASK], job_id="shared")
     assert Client(settings).status("shared")["total"] == 1
+
+
+def _fed_job(client: Client, job_id: str, tenant: str) -> list[dict[str, Any]]:
+    """Job ``job_id`` of ``tenant``: two fed tasks run to the end; their result records."""
+    lines = [json.dumps({"custom_id": f"c{n}", **TASK}) for n in range(2)]
+    submit_jsonl(client, lines, job_id, tenant=tenant)
+    wait_for_state(lambda: client.status(job_id), {"completed"}, key="state")
+    return [client.result(task_id) for task_id in client.job_task_ids(job_id)]
+
+
+def test_a_reused_job_id_is_its_new_tenants_on_a_worker_that_ran_the_old_job(
+    redis_server, moto_server, request
+):
+    """A job id names another job once its records expired, perhaps another tenant's: the
+    worker that ran the first attributes the second's tasks to the second's tenant (the
+    tenant a pull resolves is the one its result records and its frame-store folder take),
+    never to the one it saw before."""
+    settings = _settings(redis_server, moto_server, request)
+    settings = settings.model_copy(
+        update={"fleet": settings.fleet.model_copy(update={"task_ttl_s": 2})}
+    )
+    client = Client(settings)
+    with worker_loop(settings):
+        first = _fed_job(client, "reused", "team-a")
+        assert {record["tenant"] for record in first} == {"team-a"}
+        wait_until(
+            lambda: not client.redis.exists(client.keys.job("reused")),
+            timeout=20,
+            what="the first job's hash to expire",
+        )
+        second = _fed_job(client, "reused", "team-b")
+    assert {record["tenant"] for record in second} == {"team-b"}
+    assert {record["id"] for record in first}.isdisjoint(r["id"] for r in second)
 
 
 # 6. Redis errors ----------------------------------------------------------------------

@@ -101,7 +101,11 @@ def test_vlmq_run_honours_every_row(
 # adds to ``vlmq run``'s engine is the path: submit, staging to S3, queues, one worker's
 # padded batches, the results store and the export.
 
-ONE_BATCH = {"VLMQ_BATCH": json.dumps({m: _policy(16, 0.5) for m in ("text", "image", "video")})}
+ONE_BATCH = {
+    "VLMQ_BATCH": json.dumps({m: _policy(16, 0.5) for m in ("text", "image", "video")}),
+    # A pulled class is one micro-batch (in flight they are an eighth of the slots by default).
+    "VLMQ_ENGINE__DECODE__ADMIT_ROWS": "32",
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

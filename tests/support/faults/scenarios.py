@@ -180,8 +180,10 @@ def _faulty_worker(h: Harness, name: str, model: str, batch: int, faults: Faults
         "VLMQ_BATCH": _policy(batch, wait_s=1.0),
         "VLMQ_MODEL": model,
         "VLMQ_ENGINE__MAX_NEW_TOKENS_DEFAULT": "4",
-        # The whole pulled batch is one micro-batch (in flight they are an eighth of the slots).
-        "VLMQ_ENGINE__DECODE__ADMIT_ROWS": str(batch),
+        # Micro-batches as large as before the decode loop's in-flight default (an eighth of
+        # the slots): the pulled batch is cut by length alone, a longer row joining a micro-batch
+        # under half full.
+        "VLMQ_ENGINE__DECODE__ADMIT_ROWS": str(2 * batch),
         **faults.env(),
     }
     h.worker("--modality", "text", "--no-celery", "--name", name, **env)

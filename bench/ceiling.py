@@ -37,14 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as redis_py
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, wait_for
 from vlmq.config.keys import Keys
 from vlmq.producers.localredis import LocalRedis
 
@@ -171,14 +171,6 @@ def server() -> Iterator[tuple[LocalRedis, redis_py.Redis, Meter]]:
             local.stop()
 
 
-def _wait(check: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(poll_s)
-
-
 def _signal_all(procs: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
     for proc in procs:
         proc.send_signal(signum)
@@ -205,7 +197,7 @@ def measure_raw(url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: in
     argv = [sys.executable, "-c", _RAW_CONSUMER, url, RAW_GO, RAW_READY, RAW_KEY]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE) for _ in range(n)]
     try:
-        _wait(lambda: int(redis.llen(RAW_READY)) == n, 60, "the raw consumers")
+        wait_for(lambda: int(redis.llen(RAW_READY)) == n, 60, "the raw consumers")
         cpu0, whole0 = meter.main(), meter.process()
         _push_raw(redis, plan.tasks)
         cpu1 = meter.main()
@@ -281,7 +273,7 @@ def measure_vlmq(
     env = _env(tree, url, f"file://{tmp / 'results'}", plan.batch)
     procs = _start_workers(tree, env, n, tmp)
     try:
-        _wait(lambda: _registered(redis, procs, tmp), 300, f"{n} workers to register", 0.1)
+        wait_for(lambda: _registered(redis, procs, tmp), 300, f"{n} workers to register", 0.1)
         idle0 = meter.main()
         time.sleep(plan.idle_s)
         idle_us = (meter.main() - idle0) / (n * plan.idle_s) * 1e6
@@ -291,7 +283,7 @@ def measure_vlmq(
         cpu1 = meter.main()
         go = time.time()
         _signal_all(procs, signal.SIGCONT)
-        _wait(lambda: _registered(redis, procs, tmp) and _finished(redis), 900, "the drain")
+        wait_for(lambda: _registered(redis, procs, tmp) and _finished(redis), 900, "the drain")
         cpu2, whole2 = meter.main(), meter.process()
         done = float(redis.hget(Keys().job(JOB), "finished_at") or 0)
     finally:

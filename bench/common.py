@@ -6,6 +6,7 @@ import os
 import platform
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,12 @@ def replace_section(path: Path, marker: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text, encoding="utf-8")
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.01) -> None:
+    """Poll ``check`` until it holds; TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)

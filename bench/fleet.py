@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from bench.common import machine, replace_section, run_in_batches, workload
+from bench.common import machine, replace_section, run_in_batches, wait_for, workload
 from vlmq.config.keys import Keys
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, MediaSettings, Settings
@@ -142,14 +142,6 @@ def services() -> Iterator[Bench]:
             if bench is not None:
                 bench.stop_workers()
             server.stop()
-
-
-def _wait(check: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.01) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def _alive_and(bench: Bench, proc: subprocess.Popen[bytes], check: Callable[[], bool]) -> bool:
@@ -341,7 +333,7 @@ def measure_fleet_drain(bench: Bench, n: int, celery: bool) -> float:
     host = "--celery" if celery else "--no-celery"
     proc = bench.start_worker(bench.env(32, 0.005, {}), "--engine", "noop", host)
     try:
-        _wait(lambda: _alive_and(bench, proc, lambda: _finished(bench, job)), 300, "the drain")
+        wait_for(lambda: _alive_and(bench, proc, lambda: _finished(bench, job)), 300, "the drain")
     finally:
         bench.stop_workers()
     return _drain_seconds(bench, ids)
@@ -424,7 +416,7 @@ def _hf_env(bench: Bench, model_dir: Path, batch_size: int) -> dict[str, str]:
 def _run_job(bench: Bench, proc: subprocess.Popen[bytes], items: list[dict[str, Any]]) -> float:
     started = time.perf_counter()
     job = bench.client.submit_many(items)
-    _wait(lambda: _alive_and(bench, proc, lambda: _finished(bench, job)), 600, "a job", 0.005)
+    wait_for(lambda: _alive_and(bench, proc, lambda: _finished(bench, job)), 600, "a job", 0.005)
     took = time.perf_counter() - started
     _check_records([bench.client.result(i) for i in bench.client.job_task_ids(job)])
     _progress(f"fleet: {len(items)} requests in {took:.2f}s")
@@ -440,7 +432,7 @@ def hf_worker(
     env = _hf_env(bench, model_dir, batch_size)
     proc = bench.start_worker(env, "--engine", "hf", "--no-celery")
     try:
-        _wait(lambda: _alive_and(bench, proc, lambda: _registered(bench)), 300, "the worker")
+        wait_for(lambda: _alive_and(bench, proc, lambda: _registered(bench)), 300, "the worker")
         _run_job(bench, proc, _items(warm_up))
         yield proc
     finally:

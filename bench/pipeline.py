@@ -49,9 +49,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, wait_for
 from bench.fencing import worktree
-from bench.fleet import _stop, _wait
+from bench.fleet import _stop
 from bench.realmedia import clips, photos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +185,7 @@ def start_worker(
     )
     log.close()
     bench.procs[name] = proc
-    _wait(lambda: _alive(bench, name) and _registered(bench, name), 600, f"worker {name}", 0.005)
+    wait_for(lambda: _alive(bench, name) and _registered(bench, name), 600, f"worker {name}", 0.005)
     return proc
 
 
@@ -230,7 +230,7 @@ def run_job(bench: Services, name: str, workload: Workload) -> JobRun:
         started = time.perf_counter()
         job = bench.client.submit_many(workload.items)
         done = partial(_job_finished, bench, job)
-        _wait(lambda: _alive(bench, name) and done(), 1200, "a job", 0.005)
+        wait_for(lambda: _alive(bench, name) and done(), 1200, "a job", 0.005)
         seconds = time.perf_counter() - started
     records = [bench.client.result(t) for t in bench.client.job_task_ids(job)]
     failed = [r for r in records if r.get("status") != "succeeded"]
@@ -384,7 +384,7 @@ def affinity_section(bench: Services, model: Path, report: Report) -> None:
                 load = _affinity_job(paths, grouped)
                 started = time.perf_counter()
                 job = bench.client.submit_many(load.items)
-                _wait(partial(_job_finished, bench, job), 1200, "a job", 0.005)
+                wait_for(partial(_job_finished, bench, job), 1200, "a job", 0.005)
                 seconds = time.perf_counter() - started
                 records = [bench.client.result(t) for t in bench.client.job_task_ids(job)]
                 hits = sum(int(r["timings"].get("media_cache_hits", 0)) for r in records)

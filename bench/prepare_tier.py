@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, replace_section
-from bench.fleet import _model_dir, _stop, _wait
+from bench.common import machine, replace_section, wait_for
+from bench.fleet import _model_dir, _stop
 from bench.pipeline import (
     NEW_TOKENS,
     ROOT,
@@ -193,7 +193,7 @@ def _gpu_run(bench: Services, gpu: str, job: str) -> tuple[float, float, list[di
     cpu = cpu_seconds(proc.pid)
     started = time.perf_counter()
     proc.send_signal(signal.SIGCONT)
-    _wait(lambda: _finished(bench, job), 1800, "the job", 0.005)
+    wait_for(lambda: _finished(bench, job), 1800, "the job", 0.005)
     wall = time.perf_counter() - started
     proc.send_signal(signal.SIGSTOP)
     return wall, cpu_seconds(proc.pid) - cpu, _records(bench, job)
@@ -226,7 +226,7 @@ def _prepared_ahead(bench: Services, preparers: Preparers) -> tuple[float, int]:
         backlog = prepare_backlog(bench.client.redis, keys, ["image", "video"])
         return not any(backlog.values()) and not bench.client.redis.hlen(keys.inflight())
 
-    _wait(done, 1800, "preparing", 0.01)
+    wait_for(done, 1800, "preparing", 0.01)
     total = _decoded(preparers.ports)
     decoded, preparers.decoded = total - preparers.decoded, total
     for proc in procs:

@@ -48,6 +48,12 @@ COMPOSE = Group(
             "Tag of the prepare-tier image (docker/prepare.Dockerfile: no torch), likewise.",
         ),
         Entry(
+            "VLMQ_VLLM_IMAGE",
+            "vlmq-vllm:latest",
+            "Tag of the vLLM worker image (docker/vllm.Dockerfile: vLLM's CUDA build and the "
+            "torch it pins), likewise; built only with the vllm profile.",
+        ),
+        Entry(
             "PREPARE_REPLICAS",
             "2",
             "Prepare workers (the prepare tier, CPU only) docker compose starts; scale on "
@@ -92,6 +98,30 @@ COMPOSE = Group(
                 "`count: 1` reservation the first GPU every time, so each worker names its own.",
             )
             for cls in ("text", "image", "video")
+        ),
+        Entry(
+            "VLMQ_MODEL_VLLM",
+            None,
+            "The vLLM worker's model (`docker compose --profile vllm`); unset: VLMQ_MODEL, "
+            "else Qwen/Qwen2.5-VL-3B-Instruct.",
+        ),
+        Entry(
+            "WORKER_VLLM_MODALITIES",
+            "image",
+            "Classes the vLLM worker serves (comma-separated: text,image,video); stop the HF "
+            "workers of those classes, or give them other GPUs.",
+        ),
+        Entry(
+            "WORKER_VLLM_GPU",
+            "0",
+            "GPU index of the vLLM worker: a GPU of its own (vLLM takes "
+            "VLMQ_ENGINE__VLLM__GPU_MEMORY_UTILIZATION of it at start).",
+        ),
+        Entry(
+            "WORKER_VLLM_SHM_SIZE",
+            "16gb",
+            "Shared memory of the vLLM worker's container (vLLM's engine processes exchange "
+            "tensors through /dev/shm; Docker's default 64 MB is too small).",
         ),
         Entry("API_PORT", "8000", "Host port of the HTTP API (the container listens on 8000)."),
         Entry(

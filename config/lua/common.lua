@@ -19,6 +19,9 @@ local function now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
+-- Redis's time as stored (microseconds). A script formats it once per call, not per task:
+-- a float's formatting costs about as much as a small command; and any number handed to
+-- redis.call is formatted on the way (%.17g), so what a call writes per task is a string.
 local function stamp(t) return string.format('%.6f', t) end
 
 local function csv_set(text)
@@ -28,12 +31,30 @@ local function csv_set(text)
 end
 
 -- Calls `command key item...` over `items` in slices (Lua's stack bounds one call's
--- arguments): one call per slice instead of one per item.
-local function call_many(command, key, items, width)
+-- arguments): one call per slice instead of one per item. `option` (if given) goes before
+-- the items (ZADD's XX).
+local function call_many(command, key, items, width, option)
   local step = 960 * width
   for i = 1, #items, step do
-    redis.call(command, key, unpack(items, i, math.min(i + step - 1, #items)))
+    local last = math.min(i + step - 1, #items)
+    if option then
+      redis.call(command, key, option, unpack(items, i, last))
+    else
+      redis.call(command, key, unpack(items, i, last))
+    end
   end
+end
+
+-- `command key item...` over `items` in slices, for a command that answers one value per
+-- item (HMGET, ZMSCORE): the answers in the items' order. One call per slice: each
+-- redis.call costs about as much again as a small command does.
+local function read_many(command, key, items)
+  local out = {}
+  for i = 1, #items, 960 do
+    local got = redis.call(command, key, unpack(items, i, math.min(i + 959, #items)))
+    for j = 1, #got do out[i + j - 1] = got[j] end
+  end
+  return out
 end
 
 -- A plain id: 1-128 of [A-Za-z0-9_.-], not made of dots only (config/ids.py ID_PATTERN: the
@@ -65,5 +86,6 @@ end
 
 local commands = {}
 -- How a command's reply is kept for a retry of the same call and answered again
--- (dispatch.lua); a command without an entry keeps its reply as JSON.
+-- (dispatch.lua); a command without an entry keeps its reply as JSON; an entry's keep may
+-- answer nil for a reply that need not be kept (the call changed nothing).
 local replays = {}

@@ -18,7 +18,7 @@ local function answer(name, kept)
   return cjson.decode(kept)
 end
 
-local replay_ttl = tonumber(ARGV[#ARGV])
+local replay_ttl = ARGV[#ARGV]  -- seconds, as ARGV has them
 ARGV[#ARGV] = nil
 local replay_key = ARGV[#ARGV]
 ARGV[#ARGV] = nil
@@ -28,5 +28,9 @@ if replay_key ~= '' then
   if kept then return answer(name, kept) end
 end
 local reply = commands[name]()
-if replay_key ~= '' then redis.call('SET', replay_key, keep(name, reply), 'EX', replay_ttl) end
+if replay_key ~= '' then
+  local kept = keep(name, reply)
+  -- (nil: the call changed nothing, and a retry may simply run it again)
+  if kept then redis.call('SET', replay_key, kept, 'EX', replay_ttl) end
+end
 return reply

@@ -163,8 +163,8 @@ end
 -- {now, dropped, rows}; a row is {id, raw, token, status fields (row_status), origin list}.
 function commands.pull()
   local t = now()
-  local limit, deadline = tonumber(ARGV[2]), t + tonumber(ARGV[3])
-  local prefix, terminal, ttl = ARGV[4], csv_set(ARGV[6]), tonumber(ARGV[7])
+  local limit, deadline = tonumber(ARGV[2]), stamp(t + tonumber(ARGV[3]))
+  local prefix, terminal, ttl = ARGV[4], csv_set(ARGV[6]), ARGV[7]
   local refs, jobs, stage, prepared_suffix = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
   local out, dropped, taken = {}, 0, {}
   local inflight, leases, origins, actives = {}, {}, {}, {}
@@ -174,10 +174,14 @@ function commands.pull()
     if not raws then return 0 end
     if active then redis.call('HINCRBY', KEYS[5], KEYS[6], -#raws) end
     local prepared = string.sub(list, -#prepared_suffix) == prepared_suffix
-    for _, raw in ipairs(raws) do
-      local id, status, tag = identify(raw, prefix)
+    local ids, statuses, tags = {}, {}, {}
+    for i, raw in ipairs(raws) do ids[i], statuses[i], tags[i] = identify(raw, prefix) end
+    -- Whether a live holder has each (its lease not yet run out), in one call.
+    local leased = read_many('ZMSCORE', KEYS[2], ids)
+    for i, raw in ipairs(raws) do
+      local id, status, tag = ids[i], statuses[i], tags[i]
       local key = prefix .. id
-      local held_until = tonumber(redis.call('ZSCORE', KEYS[2], id))
+      local held_until = tonumber(leased[i])
       local hashless = not status[TAG] and not status[1]
       -- A job list's task has a hash until it ends (then it is folded, or expired with its
       -- job); a fed task's likewise, on either lane.
@@ -197,7 +201,7 @@ function commands.pull()
           actives[#actives + 1] = id
           actives[#actives + 1] = active
         end
-        local n = redis.call('HINCRBY', key, 'deliveries', 1)
+        local n = redis.call('HINCRBY', key, 'deliveries', '1')
         if not status[TAG] then
           -- A plain message's first pull: its hash starts here, and records its tag.
           redis.call('HSET', key, 'tag', tag)
@@ -245,11 +249,16 @@ function commands.pull()
     local want = limit - #out
     local members = redis.call('ZRANGE', tenants, 0, want - 1)
     -- An equal share per tenant this round (the plain bulk queue, messages of any Celery
-    -- producer, is one more): one each when there are more tenants than room.
+    -- producer, is one more while it has any): one each when there are more tenants than room.
     local share = math.ceil(want / (#members + 1))
+    local plain = 0
     for _, list in ipairs(plain_lists) do
-      if take(list, false, share) > 0 then progress = true break end
+      plain = take(list, false, share)
+      if plain > 0 then progress = true break end
     end
+    -- An empty plain queue leaves its share to the tenants: one round fills the room, not
+    -- half of it (then a quarter, ...: a pull of one tenant's job took six rounds).
+    if plain == 0 and #members > 0 then share = math.ceil(want / #members) end
     for _, active in ipairs(members) do
       if #out >= limit then break end
       if take_tenant(active, math.min(share, limit - #out)) > 0 then
@@ -270,9 +279,12 @@ function commands.pull()
 end
 
 -- A pull is kept for a retry as its ids and tokens, not its messages (those are in the
--- in-flight hash, under this holder's lease, for as long as a retry may come).
+-- in-flight hash, under this holder's lease, for as long as a retry may come). A pull that
+-- took nothing and dropped nothing changed nothing: a retry may run it again, so nothing is
+-- kept (an idle worker polls its queues many times a second).
 replays.pull = {
   keep = function(reply)
+    if #reply[3] == 0 and reply[2] == 0 then return nil end
     local kept = {reply[1], reply[2]}
     for _, row in ipairs(reply[3]) do
       kept[#kept + 1] = row[1]
@@ -299,18 +311,22 @@ replays.pull = {
 
 -- renew: extend this holder's leases (allow-oom: renewing never needs memory). Safe to
 -- repeat. KEYS[1] leases. ARGV: lease seconds, task key prefix, then id, token pairs.
--- Returns the ids this holder no longer holds (reaped, or delivered again elsewhere).
+-- Returns the ids this holder no longer holds (reaped, or delivered again elsewhere). The
+-- leases are read and written in one call each; only the tokens are read one by one.
 function commands.renew()
-  local deadline, prefix, lost = now() + tonumber(ARGV[2]), ARGV[3], {}
-  for i = 4, #ARGV, 2 do
-    local id, token = ARGV[i], ARGV[i + 1]
-    if redis.call('ZSCORE', KEYS[1], id)
-       and redis.call('HGET', prefix .. id, 'deliveries') == token then
-      redis.call('ZADD', KEYS[1], 'XX', deadline, id)
+  local deadline, prefix, lost = stamp(now() + tonumber(ARGV[2])), ARGV[3], {}
+  local ids, kept = {}, {}
+  for i = 4, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+  local leased = read_many('ZMSCORE', KEYS[1], ids)
+  for j, id in ipairs(ids) do
+    if leased[j] and redis.call('HGET', prefix .. id, 'deliveries') == ARGV[3 + 2 * j] then
+      kept[#kept + 1] = deadline
+      kept[#kept + 1] = id
     else
       lost[#lost + 1] = id
     end
   end
+  call_many('ZADD', KEYS[1], kept, 2, 'XX')
   return lost
 end
 

@@ -140,9 +140,10 @@ end
 
 -- A new queued task's hash: its status fields (values '' are left unset; 'tag' among them,
 -- the message's: intake.lua, identity) on Redis's clock (created when queued: queued_at says
--- both; each field costs the listpack a scan).
-local function create_task(key, names, at, t, ttl)
-  local fields = {'queued_at', stamp(t)}
+-- both, `ts`, stamp(t) of the call; each field costs the listpack a scan), and its ttl (`ttl`,
+-- seconds as ARGV has them).
+local function create_task(key, names, at, ts, ttl)
+  local fields = {'queued_at', ts}
   for j = 1, #names do
     local value = ARGV[at + j - 1]
     if value ~= '' then
@@ -168,11 +169,11 @@ function commands.submit()
   local job, ttl, sub, prefix = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[6]
   local pairs_n = tonumber(ARGV[7])
   local names, at = read_names(9)
-  local first_task, pushed, ids, tokens = 5 + 2 * pairs_n, {}, {}, 0
+  local first_task, pushed, ids, tokens, ts = 5 + 2 * pairs_n, {}, {}, 0, stamp(t)
   local est_at = field_index(names, 'est')
   for i = first_task, #KEYS do
     local pair = tonumber(ARGV[at])
-    create_task(KEYS[i], names, at + 1, t, ttl)
+    create_task(KEYS[i], names, at + 1, ts, ARGV[3])
     if est_at then tokens = tokens + (tonumber(ARGV[at + est_at]) or 0) end
     push(pair, ARGV[at + 1 + #names], pushed)
     ids[#ids + 1] = string.sub(KEYS[i], #prefix + 1)
@@ -203,10 +204,10 @@ function commands.enqueue()
   local names, at = read_names(7)
   local first_task = 2 + lists_n + 2 * jobs_n
   local est_at = field_index(names, 'est')
-  local pushed, listed, counted, tokens = {}, {}, {}, 0
+  local pushed, listed, counted, tokens, ts = {}, {}, {}, 0, stamp(t)
   for i = first_task, #KEYS do
     local list, pair = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
-    create_task(KEYS[i], names, at + 2, t, ttl)
+    create_task(KEYS[i], names, at + 2, ts, ARGV[2])
     if est_at then tokens = tokens + (tonumber(ARGV[at + 1 + est_at]) or 0) end
     local messages = pushed[list] or {}
     messages[#messages + 1] = ARGV[at + 2 + #names]
@@ -345,10 +346,14 @@ function commands.feed()
   local first_task, codes, pushed, dropped = 7 + 2 * pairs_n, {}, {}, 0
   local claimed, new_claims = {}, {}  -- claims this chunk makes, written in one call
   local fed, fed_bytes = 0, 0  -- messages pushed and their bytes (the feeder's byte window)
+  local ts, wanted = stamp(t), {}
+  -- Every line's claim record as it was before this chunk, read in one call.
+  for i = first_task, #KEYS do wanted[#wanted + 1] = ARGV[at + (i - first_task) * (3 + #names)] end
+  local records = read_many('HMGET', claims, wanted)
   for i = first_task, #KEYS do
     local claim, pair = ARGV[at], tonumber(ARGV[at + 1])
     local code = 'q'
-    local record = claimed[claim] and sub or redis.call('HGET', claims, claim)
+    local record = claimed[claim] and sub or records[i - first_task + 1]
     if record then
       local by, state = string.match(record, '^(%S+)%s?(%a?)')
       if by == sub then
@@ -364,7 +369,7 @@ function commands.feed()
       claimed[claim] = true
       new_claims[#new_claims + 1] = claim
       new_claims[#new_claims + 1] = sub
-      create_task(KEYS[i], names, at + 2, t, ttl)
+      create_task(KEYS[i], names, at + 2, ts, ARGV[3])
       push(pair, ARGV[at + 2 + #names], pushed)
       fed, fed_bytes = fed + 1, fed_bytes + #ARGV[at + 2 + #names]
     else

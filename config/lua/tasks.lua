@@ -21,9 +21,9 @@ local function count_move(tally, job, from, to, own)
   end
 end
 
--- `ctx`: {jobs = Keys.job_prefix, refs = Keys.job_ref_prefix, ttl = seconds, t = now,
--- events = the events list, keep = whether the job's keys get their ttl again (a settle
--- does: every job that runs settles often; a start or a cancel need not)}.
+-- `ctx`: {jobs = Keys.job_prefix, refs = Keys.job_ref_prefix, ttl = seconds, t = now, ts =
+-- stamp(t), events = the events list, keep = whether the job's keys get their ttl again (a
+-- settle does: every job that runs settles often; a start or a cancel need not)}.
 local function apply_tally(tally, ctx)
   for _, job in ipairs(tally.jobs) do
     local jobkey = ctx.jobs .. job
@@ -70,25 +70,35 @@ local function fold(key, h, m, jobkey)
   redis.call('DEL', key)
 end
 
--- One task's move: allowed from-states ("," separated, "-" = no state yet); `m.stampf` (if not
--- '') gets Redis's time; the job's counters change in `tally`. `h` is the task hash's
+-- The from-states a move allows ("," separated, "-" = no state yet) as a set, read once per
+-- script call for each distinct list (a batch's moves share one).
+local ALLOWED = {}
+
+local function allowed_set(text)
+  local set = ALLOWED[text]
+  if not set then
+    set = {}
+    for from in string.gmatch(text, '([^,]+)') do set[from == '-' and '' or from] = true end
+    ALLOWED[text] = set
+  end
+  return set
+end
+
+-- One task's move: allowed from-states; `m.stampf` (if not '') gets Redis's time (`ctx.ts`,
+-- formatted once per call); the job's counters change in `tally`. `h` is the task hash's
 -- MOVE_FIELDS, read once by fenced_move. Returns previous state, moved (1|0).
-local function move(key, m, h, jobprefix, t, tally)
+local function move(key, m, h, ctx, tally)
   local current = h[1] or ''
   -- A start (it counts an attempt) this very delivery already made: it moved, once.
   if m.attempt and h[10] == m.token and m.token ~= '' then return current, 1 end
-  local ok = false
-  for from in string.gmatch(m.allowed, '([^,]+)') do
-    if (from == '-' and current == '') or from == current then ok = true end
-  end
-  if not ok then return current, 0 end
+  if not allowed_set(m.allowed)[current] then return current, 0 end
   local fields = m.fields
   local job = h[3]
   local in_job = job and job ~= ''
   if in_job and h[4] and FOLDED[m.new] then
-    fold(key, h, m, jobprefix .. job)  -- its hash goes: no point writing it
+    fold(key, h, m, ctx.jobs .. job)  -- its hash goes: no point writing it
   else
-    if m.stampf ~= '' then fields[#fields + 1] = m.stampf; fields[#fields + 1] = stamp(t) end
+    if m.stampf ~= '' then fields[#fields + 1] = m.stampf; fields[#fields + 1] = ctx.ts end
     if m.attempt then
       fields[#fields + 1] = 'attempts'
       fields[#fields + 1] = tostring((tonumber(h[6]) or 0) + 1)
@@ -152,7 +162,7 @@ local function fenced_move(key, id, m, ctx, tally)
     if delivery == m.token then return state, 0, 1, h, delivery end
     return state, 0, 0, h, 'ended'
   end
-  local previous, moved = move(key, m, h, ctx.jobs, ctx.t, tally)
+  local previous, moved = move(key, m, h, ctx, tally)
   -- Someone waits for this task's end (an API process answering a call synchronously).
   if moved == 1 and h[11] and FOLDED[m.new] then redis.call('PUBLISH', h[11], id) end
   return previous, moved, 1, h, h[2] or ''
@@ -164,7 +174,9 @@ end
 -- move is not applied. Called with a call id (a retried start counts one attempt; a retried
 -- cancel answers what it did).
 function commands.transition()
-  local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = now(), events = KEYS[1]}
+  local t = now()
+  local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
+               events = KEYS[1]}
   local replies, at, tally = {}, 5, new_tally()
   for i = 2, #KEYS do
     local id = ARGV[at]
@@ -191,8 +203,9 @@ commands.start = commands.transition
 -- set either way. Safe to repeat: a task its first run ended reads as this holder's (its
 -- state terminal, or its fold record naming this delivery), moved no further, counted once.
 function commands.settle()
-  local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = now(), events = KEYS[6],
-               keep = true}
+  local t = now()
+  local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
+               events = KEYS[6], keep = true}
   local replies, at, tally, settled = {}, 7, new_tally(), {}
   local sums = new_sums()
   for i = 7, #KEYS do

@@ -51,6 +51,20 @@ end
 -- order; `sums.jobs` the job usage keys (they get the job's ttl).
 local function new_sums() return {keys = {}, fields = {}, jobs = {}, tenants = {}, of = {}} end
 
+-- The usage field names of one dims ('<model>|<modality>'), made once per script call (a
+-- batch's tasks share a few).
+local USAGE_FIELDS = {}
+
+local function usage_fields(dims)
+  local names = USAGE_FIELDS[dims]
+  if not names then
+    names = {}
+    for j, metric in ipairs(USAGE_METRICS) do names[j] = dims .. '|' .. metric end
+    USAGE_FIELDS[dims] = names
+  end
+  return names
+end
+
 local function add_usage(sums, key, u)
   local fields = sums.fields[key]
   if not fields then
@@ -58,8 +72,7 @@ local function add_usage(sums, key, u)
     sums.fields[key] = fields
     sums.keys[#sums.keys + 1] = key
   end
-  for j, metric in ipairs(USAGE_METRICS) do
-    local field = u.dims .. '|' .. metric
+  for j, field in ipairs(usage_fields(u.dims)) do
     fields[field] = (fields[field] or 0) + u.values[j]
   end
 end

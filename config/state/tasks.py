@@ -118,9 +118,11 @@ def _allowed_from(states: Iterable[TaskState | None]) -> str:
 
 
 def encode_move(move: Move, only_from: Iterable[TaskState | None] | None = None) -> list[Any]:
-    """A move as ``lua/tasks.lua``'s ``read_move`` takes it from ARGV."""
+    """A move as ``lua/tasks.lua``'s ``read_move`` takes it from ARGV. A field whose value is
+    None is not written (a success's error fields): every reader takes a field that is absent
+    as unset, and each field costs the script an argument and the hash a scan."""
     allowed = _allowed_from(only_from if only_from is not None else sources_of(move.state))
-    pairs = [x for k, v in move.fields.items() for x in (k, _as_text(v))]
+    pairs = [x for k, v in move.fields.items() if v is not None for x in (k, _as_text(v))]
     token = "" if move.token is None else str(move.token)
     attempt = "1" if move.count_attempt else "0"
     return [move.state.value, allowed, token, move.stamp or "", attempt, len(pairs) // 2, *pairs]

@@ -313,3 +313,67 @@ def _request() -> Any:
     from vlmq.producers.client import as_request
 
     return as_request(_text(0))
+
+
+# what a pull, a renew and a settle cost Redis ------------------------------------------------
+
+
+def _calls(client: Client, command: str) -> int:
+    return int(client.redis.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_a_pull_fills_its_batch_from_one_job_in_one_round(settings):
+    """An empty plain bulk queue leaves its share of a round to the tenants: the job's list is
+    popped once for the whole batch, not in halves (16, 8, 4, 2, 1, 1: six rounds, each
+    popping every fixed list again)."""
+    client = Client(settings)
+    client.submit_many([_text(n) for n in range(40)])
+    intake = client.state.intake("text")
+    client.redis.config_resetstat()
+    assert len(intake.pull(32, 60).deliveries) == 32
+    # Each fixed list (both lanes' priority lists) is popped once and found empty; the job's
+    # list once.
+    assert _calls(client, "rpop") == len(intake.lists) + 1
+
+
+def test_a_pull_that_took_nothing_keeps_no_reply(settings):
+    """An idle worker polls many times a second: a pull that changed nothing keeps no reply
+    for a retry (running it again is the same pull); one that took work keeps its reply."""
+    client = Client(settings)
+    intake = client.state.intake("text")
+    assert intake.pull(32, 60).deliveries == []
+    assert client.redis.keys(KEYS.call("*")) == []
+    client.submit_many([_text(0)])
+    client.redis.delete(*client.redis.keys(KEYS.call("*")))  # the submission's own
+    assert len(intake.pull(32, 60).deliveries) == 1
+    assert len(client.redis.keys(KEYS.call("*"))) == 1
+
+
+def test_a_renew_extends_this_holders_leases_and_names_the_rest(settings):
+    client = Client(settings)
+    client.submit_many([_text(n) for n in range(3)])
+    mine, theirs, gone = client.state.intake("text").pull(3, 5).deliveries
+    client.redis.hincrby(KEYS.task(theirs.task_id), "deliveries", 1)  # delivered again since
+    client.state.leases.ack({gone.task_id: gone.token})  # no longer in flight
+    held = {d.task_id: d.token for d in (mine, theirs, gone)}
+    lost = client.state.leases.renew(held, 600)
+    assert sorted(lost) == sorted([theirs.task_id, gone.task_id])
+    seconds, _ = client.redis.time()
+    assert (client.redis.zscore(KEYS.leases(), mine.task_id) or 0) > seconds + 500
+    their_lease = client.redis.zscore(KEYS.leases(), theirs.task_id)
+    assert their_lease is not None and their_lease < seconds + 10  # not extended
+    assert client.redis.zscore(KEYS.leases(), gone.task_id) is None
+
+
+def test_a_settle_writes_no_field_it_has_no_value_for(settings):
+    """A success's error fields (None) are not written as empty strings: each would cost the
+    script an argument and the hash a field, and every reader takes an absent field as unset."""
+    client = Client(settings)
+    client.submit_many([_text(0)])
+    (d,) = _start(client)
+    fields = {"worker": "w", "batch_id": "b", "error_code": None, "error_message": None}
+    move = Move(d.task_id, TaskState.SUCCEEDED, fields, d.token, "finished_at")
+    client.state.tasks.settle([move])
+    status = client.state.tasks.get(d.task_id)
+    assert status["state"] == "succeeded" and status["batch_id"] == "b"
+    assert "error_code" not in status and "error_message" not in status

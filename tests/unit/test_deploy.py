@@ -46,8 +46,11 @@ VLMQ_DOCKERFILES = {
     "docker/worker.Dockerfile",
     "docker/api.Dockerfile",
     "docker/prepare.Dockerfile",
+    "docker/vllm.Dockerfile",
 }
 PREPARE_DOCKERFILE = ROOT / "docker" / "prepare.Dockerfile"
+VLLM_DOCKERFILE = ROOT / "docker" / "vllm.Dockerfile"
+VLLM_CPU_SETUP = ROOT / ".ci" / "setup-vllm-cpu.sh"
 WORKERS = ("worker-text", "worker-image", "worker-video")
 REQUIRED_SERVICES = {
     "redis",
@@ -161,6 +164,32 @@ def test_the_prepare_tier_runs_without_a_gpu_or_torch_and_scales_by_replicas():
     dockerfile = PREPARE_DOCKERFILE.read_text()
     assert '".[prepare]"' in dockerfile and "find_spec('torch') is not None" in dockerfile
     assert "worker-prepare" in PROMETHEUS.read_text()
+
+
+def test_the_vllm_worker_is_off_by_default_and_holds_a_gpu_of_its_own():
+    vllm = services()["worker-vllm"]
+    assert vllm["profiles"] == ["vllm"]
+    # Only it: `docker compose up` starts every other service as before.
+    assert [name for name, s in services().items() if "profiles" in s] == ["worker-vllm"]
+    assert vllm["build"]["dockerfile"] == "docker/vllm.Dockerfile"
+    assert "args" not in vllm["build"]  # not the HF image's flash-attn build arguments
+    argv = as_argv(vllm["command"])
+    assert argv[:3] == ["worker", "--engine", "vllm"] and argv[3] == "--modality"
+    (device,) = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert device["device_ids"] == ["${WORKER_VLLM_GPU:-0}"]
+    assert any(re.search(r":/hf-cache(:r[ow])?$", str(v)) for v in vllm["volumes"])
+    # vLLM's engine processes share tensors through /dev/shm (Docker's default is 64 MB).
+    assert "shm_size" in vllm or vllm.get("ipc") == "host"
+    assert seconds(vllm["stop_grace_period"]) >= Settings().fleet.batch_time_limit_s + 60
+    assert as_argv(vllm["healthcheck"]["test"])[:4] == ["CMD", "vlmq", "healthcheck", "worker"]
+    assert seconds(vllm["healthcheck"]["start_period"]) >= 600
+    env = vllm["environment"]
+    assert env["VLMQ_REDIS_URL"] == "redis://redis:6379/0" and "VLMQ_MODEL" in env
+    depends = vllm["depends_on"]
+    assert depends["redis"]["condition"] == "service_healthy"
+    assert depends["minio-init"]["condition"] == "service_completed_successfully"
+    assert "worker-vllm" in PROMETHEUS.read_text()
 
 
 def test_the_api_serves_on_all_interfaces_with_keys_from_the_environment():
@@ -358,6 +387,11 @@ def instruction(path: Path, name: str) -> list[str]:
     return [args for kind, args in dockerfile_instructions(path) if kind == name]
 
 
+def build_args(path: Path) -> dict[str, str]:
+    """A Dockerfile's ARGs with their defaults."""
+    return dict(a.split("=", 1) for a in instruction(path, "ARG") if "=" in a)
+
+
 def test_the_api_image_installs_no_torch():
     runs = " ".join(instruction(API_DOCKERFILE, "RUN"))
     assert instruction(API_DOCKERFILE, "FROM")[0].startswith("python:3.11-slim")
@@ -385,7 +419,7 @@ def test_the_worker_image_pins_torch_as_pyproject_does():
         if match:
             pins[match.group(1)] = match.group(2)
     assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
-    args = dict(a.split("=", 1) for a in instruction(WORKER_DOCKERFILE, "ARG") if "=" in a)
+    args = build_args(WORKER_DOCKERFILE)
     assert args["TORCH_VERSION"] == pins["torch"]
     assert args["TORCHVISION_VERSION"] == pins["torchvision"]
     runs = " ".join(instruction(WORKER_DOCKERFILE, "RUN"))
@@ -412,6 +446,48 @@ def test_the_worker_image_runs_a_worker_as_a_user_with_a_mounted_hf_cache():
     assert "healthcheck" in instruction(WORKER_DOCKERFILE, "HEALTHCHECK")[-1]
     # Weights come from the mounted cache, never from the build.
     copied = " ".join(instruction(WORKER_DOCKERFILE, "COPY"))
+    assert "hf-cache" not in copied and "models" not in copied
+
+
+def _vllm_cpu_version() -> str:
+    match = re.search(r'"vllm-cpu==([0-9][^"]*)"', VLLM_CPU_SETUP.read_text())
+    assert match, "the CPU build's vllm-cpu pin"
+    return match.group(1)
+
+
+def test_the_vllm_image_is_an_environment_of_its_own():
+    """vllm pins its own torch: the image installs vllm (the version the CPU tier tests)
+    first, pins what it brought, and never the HF worker's extras and their torch pin."""
+    assert build_args(VLLM_DOCKERFILE)["VLLM_VERSION"] == _vllm_cpu_version()
+    runs = instruction(VLLM_DOCKERFILE, "RUN")
+    text = " ".join(runs)
+    first = next(i for i, run in enumerate(runs) if '"vllm==${VLLM_VERSION}"' in run)
+    own = next(i for i, run in enumerate(runs) if 'pip install ".[vllm]"' in run)
+    assert first < own
+    assert "> /opt/pins.txt" in runs[first]
+    assert "PIP_CONSTRAINT=/opt/pins.txt" in " ".join(instruction(VLLM_DOCKERFILE, "ENV"))
+    assert not re.search(r"\.\[[^\]]*\b(worker|gpu)\b", text)
+    assert "torch==" not in text and "flash-attn" not in text
+    assert "pip check" in runs[own] and "vlmq.workers.engine.vllm_engine" in runs[own]
+    # The extra itself leaves torch, torchvision and transformers to vllm.
+    extra = {requirement_name(r) for r in pyproject()["project"]["optional-dependencies"]["vllm"]}
+    assert "vllm" in extra and not extra & {"torch", "torchvision", "transformers", "flash-attn"}
+    # One CUDA user space for both GPU images: vllm's torch and the HF worker's are CUDA 13.
+    cuda = {
+        path.name: build_args(path)["CUDA_IMAGE"] for path in (VLLM_DOCKERFILE, WORKER_DOCKERFILE)
+    }
+    assert all(image.startswith("nvidia/cuda:13.") for image in cuda.values()), cuda
+
+
+def test_the_vllm_image_runs_a_vllm_worker_as_a_user_with_a_mounted_hf_cache():
+    env = " ".join(instruction(VLLM_DOCKERFILE, "ENV"))
+    assert "HF_HOME=/hf-cache" in env and "VLMQ_ENGINE__BACKEND=vllm" in env
+    assert json.loads(instruction(VLLM_DOCKERFILE, "ENTRYPOINT")[-1]) == ["vlmq"]
+    assert json.loads(instruction(VLLM_DOCKERFILE, "CMD")[-1])[:3] == ["worker", "--engine", "vllm"]
+    user = instruction(VLLM_DOCKERFILE, "USER")
+    assert user and user[-1] not in {"root", "0"}
+    assert "healthcheck" in instruction(VLLM_DOCKERFILE, "HEALTHCHECK")[-1]
+    copied = " ".join(instruction(VLLM_DOCKERFILE, "COPY"))
     assert "hf-cache" not in copied and "models" not in copied
 
 
@@ -492,18 +568,25 @@ def compose_client() -> list[str] | None:
     return None
 
 
+def _compose(argv: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*argv, "-f", str(COMPOSE), *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
 def test_docker_compose_config_accepts_the_file():
     argv = compose_client()
     if argv is None:
         pytest.skip("no Docker Compose v2+ client installed")
-    done = subprocess.run(
-        [*argv, "-f", str(COMPOSE), "config", "--quiet"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _compose(argv, "config", "--quiet")
     assert done.returncode == 0, done.stderr
+    # The vllm profile's service is valid too, and only that profile starts it.
+    done = _compose(argv, "--profile", "vllm", "config", "--quiet")
+    assert done.returncode == 0, done.stderr
+    default = _compose(argv, "config", "--services").stdout.split()
+    with_vllm = _compose(argv, "--profile", "vllm", "config", "--services").stdout.split()
+    assert "worker-vllm" not in default and "worker-text" in default
+    assert set(with_vllm) == {*default, "worker-vllm"}
 
 
 # --- the healthcheck's decision ------------------------------------------------------

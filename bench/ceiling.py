@@ -1,0 +1,423 @@
+"""The fleet's ceiling: one Redis driven by 2-16 no-op workers, beside a raw consumer.
+
+    python -m bench.ceiling [--workers 2,4,8,16] [--tasks 20000] [--batch 32]
+        [--enqueue fed|ids] [--repeats 3] [--against CHECKOUT] [--write bench/README.md]
+
+For each worker count N, in each round, on one fresh ``redis-server`` (AOF everysec, as the
+compose file runs it), one after the other:
+
+* **raw**: the tasks' count of ~1 KB strings ``LPUSH``ed in pipelined chunks of 2,000, then
+  N consumer processes each ``BRPOP`` one message per call until the list is empty;
+* **vlmq**: N ``vlmq worker --engine noop --no-celery`` processes start and register, are
+  paused (SIGSTOP), the tasks are enqueued (``--enqueue fed``: a bulk job through
+  ``submit_jsonl``, its tasks fed from the staged input, as ``vlmq submit`` and the API's
+  batches do; ``ids``: ``Client.submit_many``), and the workers resumed; each pulls batches
+  of ``--batch``, starts, "runs" and settles them, writing a result object per task to a
+  local folder, until the job has finished;
+* **against** (``--against PATH``, a checkout of another commit): the same with that
+  checkout's code, in the same round.
+
+Redis CPU is the server's main thread (``INFO cpu``: what caps one Redis) over enqueue and
+drain, per task; the whole process's (``/proc/<pid>/stat``: the AOF's background fsync
+included) is reported beside it. The drain rate is the tasks over the seconds from the go to
+the last task done (raw: the last pop; vlmq: the job's ``finished_at``); ``busy`` is the main
+thread's CPU over those seconds, the share of one core Redis spent; ``ceiling`` is what one
+Redis core would do at that cost: 1 s over the CPU per task. Before the drain, the registered
+workers idle for ``--idle-s``: Redis CPU per idle worker per second (they poll an empty queue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis as redis_py
+
+from bench.common import machine, replace_section, wait_for
+from vlmq.config.keys import Keys
+from vlmq.producers.localredis import LocalRedis
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "ceiling"
+JOB = "ceiling"
+RAW_KEY = "raw"
+RAW_GO = "raw:go"
+RAW_READY = "raw:ready"
+RAW_MESSAGE_BYTES = 1000
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+# A raw consumer: says it is ready, waits for the go, then pops one message per call until the
+# list stays empty for half a second; prints how many it popped and when the last one came.
+_RAW_CONSUMER = r"""
+import sys, time, redis
+r = redis.Redis.from_url(sys.argv[1])
+r.lpush(sys.argv[3], "1")
+r.brpop([sys.argv[2]], timeout=0)
+n, last = 0, time.time()
+while r.brpop([sys.argv[4]], timeout=0.5) is not None:
+    n, last = n + 1, time.time()
+print(n, last)
+"""
+
+# Enqueues in the tree under test (its vlmq first on sys.path): prints the job id.
+_ENQUEUE = r"""
+import json, sys
+from vlmq.config.settings import Settings
+from vlmq.producers.client import Client
+url, results, how, n, job = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+client = Client(Settings(redis_url=url, results_url=results))
+items = [
+    {"custom_id": f"c{i}", "max_new_tokens": 16,
+     "messages": [{"role": "user", "content": f"describe what the queue holds in task {i}"}]}
+    for i in range(n)
+]
+if how == "ids":
+    print(client.submit_many(items, job, chunk=2000))
+else:
+    from vlmq.producers.bulk import submit_jsonl
+    submit_jsonl(client, (json.dumps(item) for item in items), job)
+    print(job)
+"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    workers: tuple[int, ...]
+    tasks: int
+    batch: int
+    enqueue: str
+    repeats: int
+    idle_s: float
+    against: Path | None
+    against_label: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One consumer's run at one worker count."""
+
+    consumer: str  # "raw", "vlmq", or the checkout's label
+    workers: int
+    tasks: int
+    drain_s: float
+    enqueue_s: float  # main-thread Redis CPU seconds over the enqueue
+    dequeue_s: float  # ... over the drain
+    process_s: float  # the whole redis-server process over both
+    idle_us: float = 0.0  # Redis CPU per idle worker per second (vlmq only)
+
+    @property
+    def us_per_task(self) -> float:
+        return (self.enqueue_s + self.dequeue_s) / self.tasks * 1e6
+
+    @property
+    def tasks_per_s(self) -> float:
+        return self.tasks / self.drain_s
+
+    @property
+    def busy(self) -> float:
+        return self.dequeue_s / self.drain_s
+
+
+@dataclass
+class Report:
+    plan: Plan
+    samples: list[Sample] = field(default_factory=list)
+
+    def of(self, consumer: str, workers: int) -> list[Sample]:
+        return [s for s in self.samples if s.consumer == consumer and s.workers == workers]
+
+
+# --- the server and its CPU -------------------------------------------------
+
+
+class Meter:
+    """Redis's CPU seconds so far: the main thread's (INFO) and the whole process's."""
+
+    def __init__(self, server: LocalRedis, redis: redis_py.Redis) -> None:
+        assert server.process is not None
+        self.pid = server.process.pid
+        self.redis = redis
+
+    def main(self) -> float:
+        info = self.redis.info("cpu")
+        return float(info["used_cpu_sys_main_thread"]) + float(info["used_cpu_user_main_thread"])
+
+    def process(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+
+
+@contextmanager
+def server() -> Iterator[tuple[LocalRedis, redis_py.Redis, Meter]]:
+    """A fresh redis-server (AOF everysec), a client of it and its CPU meter."""
+    with tempfile.TemporaryDirectory(prefix="vlmq-ceiling-redis-") as name:
+        local = LocalRedis(Path(name) / "redis").start()
+        redis = redis_py.Redis.from_url(local.url, decode_responses=True)
+        try:
+            yield local, redis, Meter(local, redis)
+        finally:
+            redis.close()
+            local.stop()
+
+
+def _signal_all(procs: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
+    for proc in procs:
+        proc.send_signal(signum)
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    _signal_all([p for p in procs if p.poll() is None], signal.SIGCONT)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+# --- raw LPUSH / BRPOP ---------------------------------------------------------
+
+
+def measure_raw(url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: int) -> Sample:
+    redis.flushall()
+    argv = [sys.executable, "-c", _RAW_CONSUMER, url, RAW_GO, RAW_READY, RAW_KEY]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE) for _ in range(n)]
+    try:
+        wait_for(lambda: int(redis.llen(RAW_READY)) == n, 60, "the raw consumers")
+        cpu0, whole0 = meter.main(), meter.process()
+        _push_raw(redis, plan.tasks)
+        cpu1 = meter.main()
+        go = time.time()
+        redis.lpush(RAW_GO, *["go"] * n)
+        outputs = [proc.communicate(timeout=600)[0].decode().split() for proc in procs]
+    finally:
+        _stop(procs)
+    popped = sum(int(out[0]) for out in outputs)
+    if popped != plan.tasks:
+        raise RuntimeError(f"raw: {popped} of {plan.tasks} messages popped")
+    last = max(float(out[1]) for out in outputs)
+    cpu2, whole2 = meter.main(), meter.process()
+    return Sample("raw", n, plan.tasks, last - go, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0)
+
+
+def _push_raw(redis: redis_py.Redis, tasks: int) -> None:
+    body = "x" * RAW_MESSAGE_BYTES
+    pipe = redis.pipeline(transaction=False)
+    for start in range(0, tasks, 2000):
+        pipe.lpush(RAW_KEY, *[f"{i}:{body}" for i in range(start, min(tasks, start + 2000))])
+        pipe.execute()
+
+
+# --- vlmq workers ---------------------------------------------------------------
+
+
+def _env(tree: Path, url: str, results: str, batch: int) -> dict[str, str]:
+    policy = {"max_batch_size": batch, "max_wait_s": 0.005, "token_budget": 10**7}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "VLMQ_REDIS_URL": url,
+        "VLMQ_RESULTS_URL": results,
+        "VLMQ_BATCH": json.dumps({m: policy for m in ("text", "image", "video")}),
+        "VLMQ_LOG_LEVEL": "warning",
+    }
+
+
+def _start_workers(
+    tree: Path, env: dict[str, str], n: int, tmp: Path
+) -> list[subprocess.Popen[bytes]]:
+    command = [sys.executable, "-m", "vlmq", "worker", "--modality", "text"]
+    command += ["--engine", "noop", "--no-celery"]
+    procs = []
+    for i in range(n):
+        with (tmp / f"worker-{i}.log").open("wb") as log:
+            procs.append(
+                subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
+    return procs
+
+
+def _registered(redis: redis_py.Redis, procs: Sequence[subprocess.Popen[bytes]], tmp: Path) -> bool:
+    dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+    if dead:
+        log = (tmp / f"worker-{dead[0]}.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"worker {dead[0]} exited:\n{log}")
+    return int(redis.hlen(Keys().workers())) >= len(procs)
+
+
+def _enqueue(tree: Path, env: dict[str, str], plan: Plan) -> None:
+    argv = [sys.executable, "-c", _ENQUEUE, env["VLMQ_REDIS_URL"], env["VLMQ_RESULTS_URL"]]
+    argv += [plan.enqueue, str(plan.tasks), JOB]
+    subprocess.run(argv, cwd=tree, env=env, check=True, capture_output=True, timeout=600)
+
+
+def measure_vlmq(
+    url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: int, tree: Path, label: str
+) -> Sample:
+    redis.flushall()
+    tmp = Path(tempfile.mkdtemp(prefix="vlmq-ceiling-"))
+    env = _env(tree, url, f"file://{tmp / 'results'}", plan.batch)
+    procs = _start_workers(tree, env, n, tmp)
+    try:
+        wait_for(lambda: _registered(redis, procs, tmp), 300, f"{n} workers to register", 0.1)
+        idle0 = meter.main()
+        time.sleep(plan.idle_s)
+        idle_us = (meter.main() - idle0) / (n * plan.idle_s) * 1e6
+        _signal_all(procs, signal.SIGSTOP)
+        cpu0, whole0 = meter.main(), meter.process()
+        _enqueue(tree, env, plan)
+        cpu1 = meter.main()
+        go = time.time()
+        _signal_all(procs, signal.SIGCONT)
+        wait_for(lambda: _registered(redis, procs, tmp) and _finished(redis), 900, "the drain")
+        cpu2, whole2 = meter.main(), meter.process()
+        done = float(redis.hget(Keys().job(JOB), "finished_at") or 0)
+    finally:
+        _stop(procs)
+    succeeded = int(redis.hget(Keys().job(JOB), "succeeded") or 0)
+    if succeeded != plan.tasks:
+        raise RuntimeError(f"{label}: {succeeded} of {plan.tasks} tasks succeeded (logs: {tmp})")
+    return Sample(
+        label, n, plan.tasks, done - go, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0, idle_us
+    )
+
+
+def _finished(redis: redis_py.Redis) -> bool:
+    return redis.hget(Keys().job(JOB), "finished_at") is not None
+
+
+# --- the run -------------------------------------------------------------------------
+
+
+def run(plan: Plan) -> Report:
+    report = Report(plan)
+    trees = [("vlmq", ROOT)]
+    if plan.against is not None:
+        trees.append((plan.against_label, plan.against))
+    for repeat in range(plan.repeats):
+        for n in plan.workers:
+            # Each round alternates which vlmq goes first, so neither always follows raw.
+            order = trees if repeat % 2 == 0 else trees[::-1]
+            with server() as (local, redis, meter):
+                samples = [measure_raw(local.url, redis, meter, plan, n)]
+                for label, tree in order:
+                    samples.append(measure_vlmq(local.url, redis, meter, plan, n, tree, label))
+            for sample in samples:
+                report.samples.append(sample)
+                _progress(repeat, sample)
+    return report
+
+
+def _progress(repeat: int, s: Sample) -> None:
+    print(
+        f"[{repeat + 1}] {s.consumer:>12} x{s.workers:<2}: {s.tasks_per_s:7,.0f} tasks/s, "
+        f"{s.us_per_task:6.1f} us/task (enqueue {s.enqueue_s / s.tasks * 1e6:5.1f}), "
+        f"busy {s.busy:4.0%}, idle {s.idle_us:,.0f} us/worker/s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# --- the report ------------------------------------------------------------------------
+
+
+def _spread(values: Sequence[float], fmt: str = ",.0f") -> str:
+    median = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return median
+    return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def _ratios(top: Sequence[Sample], bottom: Sequence[Sample]) -> list[float]:
+    """Per round: the two samples of one round taken together."""
+    return [a.us_per_task / b.us_per_task for a, b in zip(top, bottom, strict=True)]
+
+
+def _row(report: Report, consumer: str, n: int) -> str:
+    got = report.of(consumer, n)
+    raw = report.of("raw", n)
+    ratio = "1" if consumer == "raw" else _spread(_ratios(got, raw), ".2f") + "x"
+    cells = [
+        consumer,
+        str(n),
+        _spread([s.tasks_per_s for s in got]),
+        _spread([s.us_per_task for s in got], ".1f"),
+        ratio,
+        _spread([s.enqueue_s / s.tasks * 1e6 for s in got], ".1f"),
+        _spread([s.process_s / s.tasks * 1e6 for s in got], ".1f"),
+        _spread([100 * s.busy for s in got]) + " %",
+        _spread([1e6 / s.us_per_task for s in got]),
+        "" if consumer == "raw" else _spread([s.idle_us for s in got]),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def render(report: Report, command: str) -> str:
+    plan = report.plan
+    consumers = ["raw", "vlmq"] + ([plan.against_label] if plan.against else [])
+    how = "a bulk job fed from its staged input" if plan.enqueue == "fed" else "`submit_many`"
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Machine: {machine()}. {plan.tasks:,} text tasks per run ({how}), no-op workers "
+        f"(`--no-celery`, batches of {plan.batch}, local results folder); one fresh "
+        f"`redis-server` (AOF everysec) per worker count and round, raw then vlmq on it; "
+        f"medians (min-max) of {plan.repeats} rounds.",
+        "",
+        "| consumer | workers | tasks/s | Redis CPU us/task (main thread) | over raw | "
+        "of which enqueue | whole process us/task | busy (of a core) | ceiling, tasks/s "
+        "per core | idle us/worker/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n in plan.workers:
+        lines += [_row(report, consumer, n) for consumer in consumers]
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workers", default="2,4,8,16", help="Worker counts, comma-separated.")
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--batch", type=int, default=32, help="Batch size of each pull (16-64).")
+    parser.add_argument("--enqueue", choices=("fed", "ids"), default="fed")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--idle-s", type=float, default=3.0)
+    parser.add_argument("--against", default=None, help="A checkout of another commit.")
+    parser.add_argument("--label", default=None, help="The checkout's name in the table.")
+    parser.add_argument("--write", default=None, help="Markdown file to put the table in.")
+    args = parser.parse_args(argv)
+    against = Path(args.against).resolve() if args.against else None
+    label = args.label or (f"vlmq at {against.name}" if against else "")
+    workers = tuple(int(w) for w in args.workers.split(","))
+    plan = Plan(
+        workers, args.tasks, args.batch, args.enqueue, args.repeats, args.idle_s, against, label
+    )
+    return plan, args.write
+
+
+def main(argv: list[str] | None = None) -> None:
+    plan, write = _parse(argv)
+    report = run(plan)
+    command = "python -m bench.ceiling " + " ".join(argv if argv is not None else sys.argv[1:])
+    body = render(report, command.strip())
+    print(body)
+    if write:
+        replace_section(Path(write), MARKER, body)
+
+
+if __name__ == "__main__":
+    main()

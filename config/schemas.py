@@ -229,6 +229,11 @@ class GenerationParams(BaseModel):
     def _stop_not_empty(cls, value: list[str]) -> list[str]:
         if any(not s for s in value):
             raise ValueError("stop strings must not be empty")
+        for stop in value:  # a stop is matched on the UTF-8 bytes a row decodes to
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("stop strings must be valid Unicode (no lone surrogates)") from None
         return value
 
     @field_validator("response_format")

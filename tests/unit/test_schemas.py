@@ -67,6 +67,13 @@ def test_generation_fields_are_lifted_from_the_top_level():
     assert request.generation.sampling is True
 
 
+@pytest.mark.parametrize("stop", ["", "\ud800", ["ok", "a\udfffb"]])
+def test_stop_strings_that_cannot_be_matched_are_refused(stop):
+    """A row's text is matched as UTF-8 bytes; a lone surrogate has none."""
+    with pytest.raises(ValidationError, match="stop strings"):
+        _request("hi", stop=stop)
+
+
 def test_openai_max_tokens_alias():
     assert _request("hi", max_tokens=5).generation.max_new_tokens == 5
 

@@ -233,7 +233,9 @@ class GenerationParams(BaseModel):
             try:
                 stop.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("stop strings must be valid Unicode (no lone surrogates)") from None
+                raise ValueError(
+                    "stop strings must be valid Unicode (no lone surrogates)"
+                ) from None
         return value
 
     @field_validator("response_format")

@@ -137,6 +137,7 @@ class TaskWaiter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or silent: subscribe again
+                _raise_if_cancelled()
                 log.warning("task waiter: Redis %s; subscribing again", type(exc).__name__)
             if self.subscriptions > before:  # it was up: the next try starts quickly
                 backoff = _FIRST_BACKOFF_S
@@ -152,6 +153,7 @@ class TaskWaiter:
             await pubsub.subscribe(self.channel)
             heard = pinged = loop.time()
             while True:
+                _raise_if_cancelled()
                 message = await pubsub.get_message(timeout=_READ_S)
                 now = loop.time()
                 if message is not None:
@@ -195,3 +197,13 @@ class TaskWaiter:
         watch = self._watches.get(task_id)
         if watch is not None:
             watch.wake()
+
+
+def _raise_if_cancelled() -> None:
+    """redis-py (8.2) can swallow a cancellation that lands while it connects or subscribes:
+    the task stays marked as cancelling but goes on, and its next read waits for ever, so a
+    loop that cancels its tasks at exit (``asyncio.run``, a test client's portal) hangs.
+    Honour the mark at each turn instead of relying on the CancelledError."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -99,3 +99,35 @@ def test_a_task_that_ends_while_the_connection_is_down_is_found_on_reconnect(
         asyncio.run(run())
     finally:
         proxy.down()
+
+
+def test_a_loop_that_cancels_its_tasks_at_exit_never_waits_on_the_listener(
+    settings: Settings,
+) -> None:
+    """A loop that ends cancels what is left (asyncio.run, a test client's portal per call).
+    A cancel that lands while the listener connects or subscribes was swallowed by redis-py
+    and its next read then waited for ever: 10 of 300 such loops hung before the fix. Each
+    delay below lands the cancel in a different phase of the listener's first session."""
+    waiter = TaskWaiter(settings)
+    delays = [0.0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.02] * 15
+
+    async def watch_then_leave(delay: float) -> None:
+        waiter.watch("a-task")
+        await asyncio.sleep(delay)
+
+    hung = []
+    for delay in delays:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(watch_then_leave(delay))
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            ended = asyncio.gather(*left, return_exceptions=True)
+            _, pending = loop.run_until_complete(asyncio.wait({ended}, timeout=3))
+            if pending:
+                hung.append(delay)
+                ended.cancel()  # what is still stuck is dropped with the loop
+        finally:
+            loop.close()
+    assert hung == []

@@ -43,7 +43,7 @@ import httpx
 
 from bench.common import replace_section
 from tests.support.services import free_port
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.localredis import LocalRedis

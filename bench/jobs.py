@@ -277,7 +277,7 @@ def measure_vlmq(
             sum(int(redis.memory_usage(k) or 0) for k in job_keys) / lines
         )
         figures.cpu_us_per_task = (_cpu_s(redis) - cpu) / lines * 1e6
-        # The replies kept for retries (config/scripts.py): a minute's worth, whatever the job.
+        # The replies kept for retries (vlmq/broker/scripts.py): a minute's worth, whatever the job.
         calls = list(redis.scan_iter(Keys().call("*"), count=1000))
         figures.replies_kept_bytes = sum(int(redis.memory_usage(k) or 0) for k in calls)
         return figures

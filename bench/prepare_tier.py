@@ -213,8 +213,8 @@ class Preparers:
 def _prepared_ahead(bench: Services, preparers: Preparers) -> tuple[float, int]:
     """Let the prepare workers prepare every waiting task: their CPU seconds and the media
     they decoded (read from their metrics while they still run, then paused)."""
+    from vlmq.broker.queues import prepare_backlog
     from vlmq.config.keys import Keys
-    from vlmq.config.queues import prepare_backlog
 
     keys = Keys()
     procs = [bench.procs[p] for p in preparers.names]

@@ -41,7 +41,7 @@ _PROBE = r"""
 import glob, json, subprocess, sys, tempfile, time
 from pathlib import Path
 from vlmq.config.settings import Settings
-from vlmq.config.state.tasks import Move
+from vlmq.broker.state.tasks import Move
 from vlmq.config.status import TaskState
 from vlmq.config.usage import TaskUsage
 from vlmq.producers.bulk import submit_jsonl

@@ -36,7 +36,7 @@ class Keys:
             return self.job_queue(modality, job_id)
         return self.queue(modality, lane)
 
-    # The suffix of a prepared list (config/lua/intake.lua tells them by it).
+    # The suffix of a prepared list (vlmq/broker/lua/intake.lua tells them by it).
     PREPARED_SUFFIX = ".prepared"
 
     def prepared_queue(self, modality: str, lane: str = "bulk") -> str:
@@ -234,5 +234,5 @@ class Keys:
     # calls -----------------------------------------------------------------
     def call(self, call_id: str) -> str:
         """The reply a call that is not safe to repeat keeps for its retries
-        (config/scripts.py)."""
+        (vlmq/broker/scripts.py)."""
         return f"{self.prefix}:call:{call_id}"

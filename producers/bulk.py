@@ -9,7 +9,7 @@ error records (the first ``fleet.max_line_errors``; all are counted). A file who
 share passes ``fleet.max_invalid_share`` fails validation as a whole before anything runs.
 
 The job then counts every valid line (``queued`` until it runs) and the staged input becomes
-a feed (config/feeding.py): the submitter feeds the first window itself, the fleet's feeders
+a feed (vlmq/broker/feeding.py): the submitter feeds the first window itself, the fleet's feeders
 the rest as tasks finish, so Redis holds at most a window of a job's tasks. Feeding decides
 and writes each chunk atomically (one script): submitting the same file again for the same
 job, or any number of submitters of one job at once, enqueues only the ``custom_id``s that are
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from vlmq.broker.feeding import FeedCounts, Feeder
 from vlmq.config.errors import InvalidRequest, QuotaExceeded, StagingRefused
-from vlmq.config.feeding import FeedCounts, Feeder
 from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
 from vlmq.config.results import BlobWriter
@@ -288,7 +288,7 @@ class _Validation:
 
 
 def _normalised(number: int, request: Request) -> tuple[tuple[str, ...], bytes]:
-    """One stored line (config/feeding.py ``FeedLine``): its line number, custom_id (given,
+    """One stored line (vlmq/broker/feeding.py ``FeedLine``): its line number, custom_id (given,
     or from its content: two identical lines get one, and the second is a duplicate when
     fed), class and request fields; with its media, the sort key."""
     custom_id = request.custom_id or content_id(request)

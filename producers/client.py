@@ -22,7 +22,9 @@ from typing import Any, cast
 from pydantic import ValidationError
 from redis import Redis
 
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
+from vlmq.broker.state import State
+from vlmq.broker.state.jobs import Queued
 from vlmq.config.errors import InvalidRequest, RequestTooLarge
 from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import describe_validation_error
@@ -30,8 +32,6 @@ from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store, result_location
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
-from vlmq.config.state import State
-from vlmq.config.state.jobs import Queued
 from vlmq.config.status import TERMINAL, TaskState
 from vlmq.config.wire import encode_message, largest_request
 from vlmq.producers.preflight.accumulator import Preflight

@@ -271,7 +271,7 @@ def _fleet_rates(settings: Settings) -> Any:
     """The fleet's measured rate from the workers' heartbeats: one read, never a write."""
     from redis import RedisError
 
-    from vlmq.config.connection import create_redis
+    from vlmq.broker.connection import create_redis
     from vlmq.producers.preflight import FleetRates, read_fleet_rates
 
     redis = create_redis(settings, timeout_s=5.0)

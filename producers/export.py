@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any
 
-from vlmq.config.feeding import FeedLine
+from vlmq.broker.feeding import FeedLine
 from vlmq.config.results import result_location
 from vlmq.config.status import TERMINAL, JobState
 from vlmq.producers.client import Client

@@ -109,7 +109,7 @@ def worker(max_age: float | None, hostname: str | None, name: str | None, timeou
     """A worker on this host has a fresh heartbeat in Redis."""
     from redis import RedisError
 
-    from vlmq.config.connection import create_redis
+    from vlmq.broker.connection import create_redis
     from vlmq.config.keys import Keys
     from vlmq.config.settings import Settings
 

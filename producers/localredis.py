@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from redis import RedisError
 
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
 from vlmq.config.errors import ConfigError
 from vlmq.config.settings import Settings
 

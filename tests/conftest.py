@@ -24,7 +24,7 @@ import redis
 from filelock import FileLock
 
 from tests.support.services import MotoServer, RedisServer
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 
 TIERS = ("unit", "integration", "e2e", "faults", "vllm")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from vlmq.config.memory import MemoryGauge
+from vlmq.broker.memory import MemoryGauge
 from vlmq.config.settings import Settings
 from vlmq.producers.api.limits import RateLimiter
 from vlmq.producers.api.metrics import Metrics

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import (
     InvalidRequest,
     QuotaExceeded,

@@ -1,6 +1,6 @@
 """Request rates as the API reads them before taking work: a token bucket per tenant, in
-Redis, shared by every API process (``config/state/tenants.py``). Redis's memory headroom is
-``config/memory.py``, the bounded-queue check ``config/queues.py``, the queued-work quota
+Redis, shared by every API process (``vlmq/broker/state/tenants.py``). Redis's memory headroom is
+``vlmq/broker/memory.py``, the bounded-queue check ``vlmq/broker/queues.py``, the queued-work quota
 ``Tenants.check_quota``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 
 from redis import RedisError
 
+from vlmq.broker.state.tenants import Tenants
 from vlmq.config.settings import Settings
-from vlmq.config.state.tenants import Tenants
 
 __all__ = ["RateLimiter"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vlmq.config.queues import queue_depth
+from vlmq.broker.queues import queue_depth
 from vlmq.producers.api.context import ApiContext
 from vlmq.producers.api.errors import ApiError
 

@@ -27,7 +27,7 @@ import secrets
 import weakref
 from typing import Any
 
-from vlmq.config.connection import create_async_redis
+from vlmq.broker.connection import create_async_redis
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL

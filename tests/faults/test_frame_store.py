@@ -17,7 +17,7 @@ import pytest
 from tests.support.fleet import Processes
 from tests.support.samples import save_image
 from tests.support.services import wait_until
-from vlmq.config.queues import prepare_backlog
+from vlmq.broker.queues import prepare_backlog
 from vlmq.producers.client import Client
 
 pytestmark = pytest.mark.faults

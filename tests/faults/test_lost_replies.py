@@ -1,7 +1,7 @@
 """Issue 23, exactly once under retries: a reply lost to a connection reset.
 
 Every vlmq process opens Redis with redis-py's ``Retry`` on ConnectionError
-(config/connection.py), so a command whose reply a reset lost is sent again and runs twice.
+(vlmq/broker/connection.py), so a command whose reply a reset lost is sent again and runs twice.
 Each test puts a :class:`~tests.support.replydrop.ReplyDropProxy` between one process (a real
 ``vlmq worker``, the ``vlmq submit`` CLI, or a Client / the API's rate limiter in this process)
 and Redis, loses the reply of one command, and checks that what the user sees is as if it had
@@ -257,7 +257,7 @@ def test_a_lost_settle_reply_in_process_reads_as_this_holders(
 ) -> None:
     client = fleet.client()
     client.submit_many(_texts(3), job_id="settled")
-    from vlmq.config.state.tasks import Move
+    from vlmq.broker.state.tasks import Move
 
     deliveries = client.state.intake("text").pull(10, 60).deliveries
     rule = proxy.add(Rule.script("settle"))

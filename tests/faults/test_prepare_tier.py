@@ -16,7 +16,7 @@ from tests.support.faults import prepare
 from tests.support.fleet import Processes
 from tests.support.samples import make_video_bytes, save_image
 from tests.support.services import wait_until
-from vlmq.config.queues import prepare_backlog
+from vlmq.broker.queues import prepare_backlog
 from vlmq.producers.client import Client
 
 pytestmark = pytest.mark.faults

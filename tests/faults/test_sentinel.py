@@ -18,9 +18,9 @@ from redis.sentinel import Sentinel
 from tests.support.faults.failover import SentinelHarness, sentinel_failover
 from tests.support.sentinel import DataNode
 from tests.support.services import wait_until
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
+from vlmq.broker.scripts import Scripts, Wait
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import Scripts, Wait
 from vlmq.config.settings import Settings
 from vlmq.workers.fleet.celery_app import make_app
 

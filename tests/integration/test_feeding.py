@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
 from tests.support.services import wait_until
-from vlmq.config.feeding import Feeder
+from vlmq.broker.feeding import Feeder
 from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
@@ -96,7 +96,7 @@ def test_the_window_holds_redis_flat_while_a_job_ten_times_it_drains(settings):
 _SLOW_FEEDER = """
 import sys, time
 from vlmq.config.settings import Settings
-from vlmq.config.state.jobs import Feeds
+from vlmq.broker.state.jobs import Feeds
 from vlmq.producers.bulk import feeder_for
 from vlmq.producers.client import Client
 

@@ -11,12 +11,12 @@ import pytest
 from celery import Celery
 
 from tests.support.services import wait_until
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
+from vlmq.broker.state.intake import Intake, Leases
 from vlmq.config.keys import Keys
 from vlmq.config.results import open_store
 from vlmq.config.schemas import Request, Result
 from vlmq.config.settings import BatchPolicy
-from vlmq.config.state.intake import Intake, Leases
 from vlmq.config.status import TaskState
 from vlmq.config.wire import decode_message
 from vlmq.producers.client import Client

@@ -13,9 +13,9 @@ import pytest
 
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
 from tests.support.services import wait_until
-from vlmq.config.feeding import FeedCounts
+from vlmq.broker.feeding import FeedCounts
+from vlmq.broker.queues import lane_depths, queue_depth, queue_lists
 from vlmq.config.keys import Keys
-from vlmq.config.queues import lane_depths, queue_depth, queue_lists
 from vlmq.config.settings import Settings
 from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client

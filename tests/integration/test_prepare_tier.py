@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.samples import make_video_bytes, save_image
 from tests.support.services import wait_until
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
+from vlmq.broker.queues import prepare_backlog, queue_depth
 from vlmq.config.keys import Keys
-from vlmq.config.queues import prepare_backlog, queue_depth
 from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
@@ -261,7 +261,7 @@ _WITHOUT_TORCH = """
 import sys
 for name in ("torch", "torchvision", "transformers"):
     sys.modules[name] = None  # an import of any of them fails
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 from vlmq.workers.fleet.service import compose_prepare_loop
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tests.support.replydrop import FrameScanner, ReplyDropProxy, Rule, parse_command
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from vlmq.broker.scripts import REPLAYED, Call
+from vlmq.broker.state.tasks import Move
 from vlmq.config.ids import message_tag
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import REPLAYED, Call
 from vlmq.config.settings import Settings
-from vlmq.config.state.tasks import Move
 from vlmq.config.status import TaskState
 from vlmq.config.wire import encode_message
 from vlmq.producers.bulk import submit_jsonl

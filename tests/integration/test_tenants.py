@@ -26,9 +26,9 @@ from tests.integration.test_api_support import (
     worker_loop,
 )
 from tests.support.services import wait_until
+from vlmq.broker.state.tasks import Move
 from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.settings import Settings, TenantQuota, TenantSettings
-from vlmq.config.state.tasks import Move
 from vlmq.config.status import TaskState
 from vlmq.producers.api.app import create_app
 from vlmq.producers.api.batch_records import BatchRecords

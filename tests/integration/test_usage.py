@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from tests.integration.test_api_support import worker_loop
 from tests.integration.test_fleet_loop import _job_done
 from tests.support.services import wait_until
+from vlmq.broker.state import State
+from vlmq.broker.state.tasks import Move
 from vlmq.config.schemas import FinishReason, Result, Usage
 from vlmq.config.settings import ApiSettings
-from vlmq.config.state import State
-from vlmq.config.state.tasks import Move
 from vlmq.config.status import TaskState
 from vlmq.config.usage import TaskUsage, usage_report
 from vlmq.producers.api.app import create_app

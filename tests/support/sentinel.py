@@ -2,7 +2,7 @@
 
 :class:`SentinelCluster` starts a master, replicas (``--replicaof``) and sentinels (``redis-server
 --sentinel``) on free loopback ports; its :attr:`~SentinelCluster.url` is the
-``redis+sentinel://`` URL every vlmq process takes (config/connection.py). Each replica can
+``redis+sentinel://`` URL every vlmq process takes (vlmq/broker/connection.py). Each replica can
 reach the master through a :class:`LaggyLink`, a TCP forwarder that delays what it carries and
 can be paused and cut: data still in it is dropped, as when the master's host dies with
 replication in flight. With a link delay of d seconds a kill loses about the master's last d

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import redis
 
-from vlmq.config.connection import create_redis
+from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 from vlmq.producers.localredis import LocalRedis, free_port
 

@@ -17,12 +17,12 @@ import pytest
 from celery import Celery
 from kombu.simple import SimpleQueue
 
+from vlmq.broker.state import State
+from vlmq.broker.state.intake import Delivery, Pull
+from vlmq.broker.state.tasks import Tasks
 from vlmq.celery import TaskFailed, generate
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.settings import FleetSettings
-from vlmq.config.state import State
-from vlmq.config.state.intake import Delivery, Pull
-from vlmq.config.state.tasks import Tasks
 from vlmq.config.wire import Envelope, decode_envelope, encode_message, peek_envelope
 from vlmq.workers.fleet.celery_results import (
     CeleryResults,

@@ -43,7 +43,7 @@ OPTION = re.compile(r"^\[?(--?[A-Za-z][A-Za-z0-9-]*)")
 VARIABLE = re.compile(r"\bVLMQ_[A-Z0-9_]*[A-Z0-9]")
 DOC_PATH = re.compile(r"\bdocs/[a-z0-9_-]+\.md\b")
 MODULE = re.compile(r"python3? -m ((?:bench|tests|vlmq)(?:\.[a-z_0-9]+)*)")
-# A repository path in code (config/feeding.py, workers/demo/tiny/NOTES.md, tests/faults/),
+# A repository path in code (vlmq/broker/feeding.py, workers/demo/tiny/NOTES.md, tests/faults/),
 # and a module of the package (tests.support.faults; queue names such as vlmq.image are
 # not modules).
 REPO_PATH = re.compile(

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vlmq.config.feeding import FeedLine
+from vlmq.broker.feeding import FeedLine
 from vlmq.config.schemas import Request
 from vlmq.producers.bulk import _normalised
 

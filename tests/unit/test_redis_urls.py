@@ -7,7 +7,7 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
-from vlmq.config.connection import (
+from vlmq.broker.connection import (
     CONNECTION_RETRIES,
     SentinelAddress,
     celery_broker,

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from vlmq.broker.state import State
+from vlmq.broker.state.intake import Delivery
+from vlmq.broker.state.tasks import Tasks
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.results import FileStore, result_key
 from vlmq.config.settings import FleetSettings
-from vlmq.config.state import State
-from vlmq.config.state.intake import Delivery
-from vlmq.config.state.tasks import Tasks
 from vlmq.config.status import TaskState
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver

@@ -11,10 +11,10 @@ from typing import Any, cast
 
 import pytest
 
+from vlmq.broker.state.intake import Delivery
+from vlmq.broker.state.tasks import Move, Moved, Tasks
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.results import FileStore
-from vlmq.config.state.intake import Delivery
-from vlmq.config.state.tasks import Move, Moved, Tasks
 from vlmq.config.status import TaskState
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver

@@ -7,8 +7,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
+from vlmq.broker.state.tasks import Move, Moved, Tasks
 from vlmq.config.results import FileStore
-from vlmq.config.state.tasks import Move, Moved, Tasks
 from vlmq.config.status import TaskState
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver

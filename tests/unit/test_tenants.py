@@ -9,6 +9,7 @@ from typing import Any, cast
 import pytest
 from pydantic import ValidationError
 
+from vlmq.broker.state.tenants import Tenants
 from vlmq.config.errors import ConfigError, InvalidRequest, QuotaExceeded, RetryableError
 from vlmq.config.ids import check_id, valid_id
 from vlmq.config.keys import Keys
@@ -20,7 +21,6 @@ from vlmq.config.settings import (
     TenantQuota,
     TenantSettings,
 )
-from vlmq.config.state.tenants import Tenants
 from vlmq.config.tenants import DEFAULT_TENANT, Caller, owner_of, valid_tenant
 from vlmq.producers.api.app import create_app
 from vlmq.producers.api.auth import KeyBook, caller_of, is_loopback_host

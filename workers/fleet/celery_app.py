@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from celery import Celery, bootsteps
 from celery.worker.control import Panel, control_command, ok
 
-from vlmq.config.connection import celery_broker
+from vlmq.broker.connection import celery_broker
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.config.wire import TASK_NAME

@@ -44,11 +44,11 @@ from celery.exceptions import TaskRevokedError
 from celery.result import GroupResult
 from celery.states import READY_STATES
 
+from vlmq.broker.connection import celery_broker
+from vlmq.broker.state import State
 from vlmq.celery import PROGRESS, TaskFailed
-from vlmq.config.connection import celery_broker
 from vlmq.config.errors import Expired
 from vlmq.config.settings import Settings
-from vlmq.config.state import State
 from vlmq.config.status import JobState, TaskState
 from vlmq.config.wire import Envelope
 from vlmq.workers.fleet.observer import LoopObserver

@@ -1,7 +1,7 @@
 """What this worker holds: the deliveries it has leases on, renewed by its heartbeat.
 
-The pulls, leases and settles themselves are the state layer's (``config/state/intake.py``,
-``config/state/tasks.py``); this is the worker's own, in-memory side of them.
+The pulls, leases and settles themselves are the state layer's (``vlmq/broker/state/intake.py``,
+``vlmq/broker/state/tasks.py``); this is the worker's own, in-memory side of them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from vlmq.config.state.intake import Delivery, Leases
+from vlmq.broker.state.intake import Delivery, Leases
 
 __all__ = ["Held"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from vlmq.config.state import State
+from vlmq.broker.state import State
 from vlmq.config.status import TaskState
 from vlmq.workers.fleet.webhooks import WebhookSender
 

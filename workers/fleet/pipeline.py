@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.settings import WorkerSettings
 from vlmq.workers.fleet.batches import Planned, PulledBatch
 from vlmq.workers.fleet.clock import Backoff

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.workers.fleet.clock import Backoff
 from vlmq.workers.fleet.housekeeping import Housekeeper
 

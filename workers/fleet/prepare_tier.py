@@ -31,12 +31,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from vlmq.broker.queues import prepare_backlog
+from vlmq.broker.state import State
+from vlmq.broker.state.intake import Delivery, Intake, Pull
 from vlmq.config.errors import ConfigError, InvalidRequest, VlmqError
-from vlmq.config.queues import prepare_backlog
 from vlmq.config.schemas import Request
 from vlmq.config.settings import FleetSettings
-from vlmq.config.state import State
-from vlmq.config.state.intake import Delivery, Intake, Pull
 from vlmq.config.vision import VisionProfile
 from vlmq.config.wire import priority_lists
 from vlmq.workers.fleet.clock import StageClock

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
+from vlmq.broker.feeding import Feeder
+from vlmq.broker.state import State
 from vlmq.config.errors import ConfigError
-from vlmq.config.feeding import Feeder
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import FleetSettings, Settings
-from vlmq.config.state import State
 from vlmq.workers.engine.interface import as_generation_engine
 from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.events import TaskEvents
@@ -308,7 +308,7 @@ class WorkerService:
             self._announce()
 
     def _feed(self) -> None:
-        """Top bulk jobs up to their window from their staged inputs (config/feeding.py), on a
+        """Top bulk jobs up to their window from their staged inputs (vlmq/broker/feeding.py), on a
         thread and a connection of its own: never on the batch loop's."""
         assert self.feeder is not None
         while not self._stopped.wait(self.settings.fleet.feed_interval_s):

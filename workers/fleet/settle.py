@@ -34,12 +34,12 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.scripts import Wait
+from vlmq.broker.state.tasks import Move, Tasks
 from vlmq.config.errors import ResultNotStored, StoreUnavailable, VlmqError
 from vlmq.config.results import ResultStore, result_key
-from vlmq.config.scripts import Wait
 from vlmq.config.settings import FleetSettings
-from vlmq.config.state.tasks import Move, Tasks
 from vlmq.config.status import TaskState
 from vlmq.config.usage import TaskUsage
 from vlmq.workers.fleet.held import Held

@@ -17,12 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from vlmq.broker.state import State
+from vlmq.broker.state.intake import Intake, Pull
 from vlmq.config.errors import GenerationFailed
 from vlmq.config.logs import log_context
 from vlmq.config.schemas import Result
 from vlmq.config.settings import BatchPolicy, FleetSettings
-from vlmq.config.state import State
-from vlmq.config.state.intake import Intake, Pull
 from vlmq.workers.engine.interface import Collated, GenerationEngine
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.fleet.batches import Begun, Planned, PulledBatch

@@ -28,13 +28,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from vlmq.broker.state import State
+from vlmq.broker.state.intake import Delivery, Pull
+from vlmq.broker.state.tasks import ENDED, Move
 from vlmq.config.errors import DeadLettered, Expired, InvalidRequest, PermanentError
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.schemas import Request
 from vlmq.config.settings import FleetSettings
-from vlmq.config.state import State
-from vlmq.config.state.intake import Delivery, Pull
-from vlmq.config.state.tasks import ENDED, Move
 from vlmq.config.status import TaskState
 from vlmq.config.wire import (
     Envelope,

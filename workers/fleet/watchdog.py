@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from vlmq.config.queues import waiting
+from vlmq.broker.queues import waiting
 from vlmq.config.settings import FleetSettings, WorkerSettings
 from vlmq.workers.fleet.stages import LoopParts
 

@@ -29,11 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from redis import RedisError
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.state import State
 from vlmq.config.errors import VlmqError
 from vlmq.config.keys import Keys
 from vlmq.config.settings import WebhookSettings
-from vlmq.config.state import State
 from vlmq.config.status import COUNTED, TERMINAL
 from vlmq.workers.media.netpolicy import check_addresses, parse_http_url
 from vlmq.workers.media.pinned import pinned_connection

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmq.broker.state.intake import Delivery
 from vlmq.config.errors import PermanentError, error_record
 from vlmq.config.schemas import Request, Result
-from vlmq.config.state.intake import Delivery
 from vlmq.config.status import TaskState
 from vlmq.config.tenants import DEFAULT_TENANT
 from vlmq.config.wire import Envelope, TaskMessage

@@ -23,8 +23,8 @@ from tests.support.faults.harness import Harness, batch_policy
 from tests.support.faults.scenarios import _delivery_figures
 from tests.support.sentinel import DataNode, SentinelCluster
 from tests.support.services import wait_until
+from vlmq.broker.state import State
 from vlmq.config.keys import Keys
-from vlmq.config.state import State
 from vlmq.config.status import TERMINAL
 from vlmq.producers.localredis import LocalRedis
 

@@ -8,7 +8,7 @@ Tasks enter three ways, each one script, all or nothing, safe to retry:
   the job's own list per class;
 * ``Jobs.enqueue``: tasks outside any job's own list (``Client.submit``, the interactive
   lane);
-* ``Feeds``: a bulk submission's staged input, fed a window at a time (config/feeding.py).
+* ``Feeds``: a bulk submission's staged input, fed a window at a time (vlmq/broker/feeding.py).
 
 Every task's hash records its message's tag (``config/ids.py``), so the pull knows which
 task a message is.
@@ -24,12 +24,12 @@ from typing import Any
 
 import redis as redis_py
 
+from vlmq.broker.scripts import Call, Scripts
+from vlmq.broker.state.tasks import Folded, Move, Tasks
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.ids import check_id, fed_task_id, message_tag, valid_id
 from vlmq.config.jsonl import LineError
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import Call, Scripts
-from vlmq.config.state.tasks import Folded, Move, Tasks
 from vlmq.config.status import JobStatus, TaskState
 from vlmq.config.tenants import DEFAULT_TENANT
 
@@ -290,7 +290,7 @@ class Jobs:
 
 
 class Feeds:
-    """A bulk submission's staged input entering Redis a window at a time (config/feeding.py
+    """A bulk submission's staged input entering Redis a window at a time (vlmq/broker/feeding.py
     drives it; each chunk is one ``feed`` script, applied once)."""
 
     def __init__(self, redis: redis_py.Redis, scripts: Scripts, keys: Keys, jobs: Jobs) -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import redis as redis_py
 
+from vlmq.broker.scripts import Scripts
 from vlmq.config.errors import QuotaExceeded
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import Scripts
 from vlmq.config.settings import TenantQuota
 
 __all__ = ["RETRY_AFTER_S", "QueuedWork", "Tenants"]

@@ -10,7 +10,7 @@ Decided here, once, for every process:
   reaches the caller, whose own loop backs off further: a reply lost to a reset means the
   command may have run, and every write vlmq makes is safe to send again (the scripts that
   are not safe to repeat answer a resend of the same call with their first reply:
-  ``config/scripts.py``). A timeout is not retried here; the caller retries it, as the same
+  ``vlmq/broker/scripts.py``). A timeout is not retried here; the caller retries it, as the same
   call where that matters.
 
 ``VLMQ_REDIS_URL`` is a plain ``redis://``, ``rediss://`` or ``unix://`` URL (redis-py's

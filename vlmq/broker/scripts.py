@@ -12,7 +12,7 @@ MULTI even an allow-oom script is refused, so the terminal transitions and the
 acknowledgements are one command (``settle``), not a transaction.
 
 **Every call is safe to repeat.** redis-py resends a command whose reply a connection reset
-lost (``config/connection.py``: the command ran, the reply did not arrive), and callers retry
+lost (``vlmq/broker/connection.py``: the command ran, the reply did not arrive), and callers retry
 on their own after a timeout. The commands that are safe to repeat by construction run as
 they are: renew, ack, give back and reap (fenced by the holder's token), seal, the event
 leases, and settle (a task it already ended reads as this holder's: moved no further, counted
@@ -94,7 +94,7 @@ REPLAY_TTL_S = 60
 
 def source() -> str:
     """The one script: every concern's file, then the dispatch."""
-    lua = resources.files("vlmq.config").joinpath("lua")
+    lua = resources.files("vlmq.broker").joinpath("lua")
     return "\n".join(lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in LUA_FILES)
 
 

@@ -1,7 +1,7 @@
 """The state layer: everything vlmq keeps in Redis, one module (and one Lua file) per concern.
 
 =================  ==========================================  ============================
-concern            Python                                      Lua (``config/lua/``)
+concern            Python                                      Lua (``vlmq/broker/lua/``)
 =================  ==========================================  ============================
 intake and leases  ``intake.py``: Intake, Leases, WorkerRecords  ``intake.lua``
 tasks: moves and   ``tasks.py``: Tasks (transition, settle,     ``tasks.lua``
@@ -11,7 +11,7 @@ tenants            ``tenants.py``: Tenants (quotas, rates)      ``tenants.lua``
 events             ``events.py``: Events (webhook events)       ``events.lua``
 =================  ==========================================  ============================
 
-Every script runs through one dispatch (``config/scripts.py``, ``lua/dispatch.lua``), every
+Every script runs through one dispatch (``vlmq/broker/scripts.py``, ``lua/dispatch.lua``), every
 key name comes from ``config/keys.py``, the task state machine and the job state from
 ``config/status.py``. What happens to a task, step by step: ``Jobs.submit``/``enqueue`` or a
 feed creates it; ``Intake.pull`` delivers it; ``Tasks.moves`` starts it; ``Tasks.settle``
@@ -26,14 +26,14 @@ import time
 
 import redis as redis_py
 
+from vlmq.broker.scripts import REPLAY_TTL_S, Scripts, Wait
+from vlmq.broker.state.events import Events
+from vlmq.broker.state.intake import Intake, Leases, NamedLeases, WorkerRecords
+from vlmq.broker.state.jobs import Feeds, Jobs
+from vlmq.broker.state.tasks import Tasks
+from vlmq.broker.state.tenants import Tenants
 from vlmq.config.ids import FED_ID
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import REPLAY_TTL_S, Scripts, Wait
-from vlmq.config.state.events import Events
-from vlmq.config.state.intake import Intake, Leases, NamedLeases, WorkerRecords
-from vlmq.config.state.jobs import Feeds, Jobs
-from vlmq.config.state.tasks import Tasks
-from vlmq.config.state.tenants import Tenants
 from vlmq.config.status import TaskState
 
 __all__ = ["State"]

@@ -441,7 +441,7 @@ end
 
 -- named leases: one holder at a time of an activity (an API process feeding or finalizing a
 -- batch), owner-checked. KEYS[1] the lease key. Taking one is ``SET NX`` plus a read of the
--- owner (config/state/intake.py ActivityLeases: a retried take finds its own token).
+-- owner (vlmq/broker/state/intake.py ActivityLeases: a retried take finds its own token).
 
 -- renew_named: extend the lease if the caller still owns it. ARGV: token, seconds.
 -- Returns 1 if it did.

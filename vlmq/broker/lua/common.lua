@@ -1,5 +1,5 @@
 -- vlmq's Redis scripts: one source made of one file per concern, run through one dispatch
--- (config/scripts.py concatenates them in this order: common, tenants, intake, jobs, tasks,
+-- (vlmq/broker/scripts.py concatenates them in this order: common, tenants, intake, jobs, tasks,
 -- events, dispatch). ARGV[1] names the command; the rest of ARGV and KEYS are the command's
 -- own (documented above each one). Loaded twice, once refused under maxmemory and once with
 -- allow-oom (the commands that settle, give back or renew work must run when Redis is full, or

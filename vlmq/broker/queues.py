@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 from redis import Redis
 
+from vlmq.broker.state.intake import PREPARED_CLASSES
 from vlmq.config.keys import LANES, Keys
-from vlmq.config.state.intake import PREPARED_CLASSES
 from vlmq.config.wire import priority_lists
 
 __all__ = ["lane_depths", "prepare_backlog", "queue_depth", "queue_lists", "waiting"]

@@ -23,8 +23,8 @@ from typing import Any
 
 import redis as redis_py
 
+from vlmq.broker.scripts import Scripts
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import Scripts
 from vlmq.config.status import TERMINAL
 from vlmq.config.tenants import DEFAULT_TENANT
 from vlmq.config.wire import priority_lists

@@ -18,10 +18,10 @@ from typing import Any
 
 import redis as redis_py
 
+from vlmq.broker.scripts import Call, Scripts, Wait
 from vlmq.config.ids import FED_ID, valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.results import result_key
-from vlmq.config.scripts import Call, Scripts, Wait
 from vlmq.config.status import TaskState, sources_of
 from vlmq.config.usage import TaskUsage
 

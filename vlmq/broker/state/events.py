@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vlmq.broker.scripts import Scripts
 from vlmq.config.keys import Keys
-from vlmq.config.scripts import Scripts
 
 __all__ = ["Events"]
 

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import islice
 
-from vlmq.config.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
+from vlmq.broker.memory import MemoryGauge
+from vlmq.broker.state import State
+from vlmq.broker.state.jobs import Queued
 from vlmq.config.ids import claim_of, fed_task_id
 from vlmq.config.jsonl import LineError
-from vlmq.config.memory import MemoryGauge
 from vlmq.config.results import ResultStore
 from vlmq.config.settings import FleetSettings
-from vlmq.config.state import State
-from vlmq.config.state.jobs import Queued
 from vlmq.config.status import TaskState
 from vlmq.config.wire import encode_message
 

@@ -255,8 +255,8 @@ def _codec() -> str:
 
 
 def store_section(media: Media, repeats: int) -> list[str]:
-    from vlmq.config.results import FileStore
     from vlmq.config.settings import FrameStoreSettings, MediaSettings
+    from vlmq.stores.files import FileStore
     from vlmq.workers.media import decode_image, decode_video
     from vlmq.workers.media.framestore import FrameStore
 

@@ -736,8 +736,8 @@ class Runner:
         return out
 
     def _load(self, path: Path) -> None:
-        from vlmq.config.results import open_store
         from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettings
+        from vlmq.stores.urls import open_store
         from vlmq.workers.engine import Engine
         from vlmq.workers.engine.noop import (
             DECODE_STEP_S,

@@ -80,8 +80,8 @@ def _loader(media_json: str, store_url: str) -> Any:
     """This process's loader over the frame store (one per settings and store)."""
     key = (media_json, store_url)
     if key not in _LOADERS:
-        from vlmq.config.results import open_store
         from vlmq.config.settings import MediaSettings
+        from vlmq.stores.urls import open_store
         from vlmq.workers.media import MediaLoader
         from vlmq.workers.media.framestore import FrameStore
 

@@ -34,11 +34,11 @@ from vlmq.broker.feeding import FeedCounts, Feeder
 from vlmq.config.errors import InvalidRequest, QuotaExceeded, StagingRefused
 from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import LineError, ParsedLine, parse_line
-from vlmq.config.results import BlobWriter
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
 from vlmq.producers.preflight.accumulator import Preflight
+from vlmq.stores.base import BlobWriter
 
 __all__ = ["Stager", "SubmitReport", "content_id", "submit_jsonl"]
 

@@ -29,13 +29,14 @@ from vlmq.config.errors import InvalidRequest, RequestTooLarge
 from vlmq.config.ids import check_id, new_submission_id
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.keys import Keys
-from vlmq.config.results import ResultStore, open_store, result_location
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.status import TERMINAL, TaskState
 from vlmq.config.wire import encode_message, largest_request
 from vlmq.producers.preflight.accumulator import Preflight
 from vlmq.producers.staging import MediaStager
+from vlmq.stores.base import ObjectStore, result_location
+from vlmq.stores.urls import open_store
 
 __all__ = ["Client", "as_request"]
 
@@ -60,7 +61,7 @@ class Client:
         self,
         settings: Settings,
         redis: Redis | None = None,
-        store: ResultStore | None = None,
+        store: ObjectStore | None = None,
         *,
         local_media: bool = True,
         tenant: str | None = None,
@@ -86,7 +87,7 @@ class Client:
         self._stager: MediaStager | None = None
 
     @property
-    def store(self) -> ResultStore:
+    def store(self) -> ObjectStore:
         if self._store is None:
             s = self.settings
             self._store = open_store(s.results_url, s.s3_endpoint_url, s.s3_region)

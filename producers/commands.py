@@ -20,7 +20,6 @@ import click
 
 from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.ids import check_id
-from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
 from vlmq.config.usage import usage_report
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
@@ -33,6 +32,7 @@ from vlmq.producers.export import (
     to_openai_output,
 )
 from vlmq.producers.staging import StagingProgress
+from vlmq.stores.urls import open_store
 
 __all__ = ["cancel", "results", "status", "submit"]
 

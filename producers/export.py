@@ -14,9 +14,9 @@ from itertools import islice
 from typing import Any
 
 from vlmq.broker.feeding import FeedLine
-from vlmq.config.results import result_location
 from vlmq.config.status import TERMINAL, JobState
 from vlmq.producers.client import Client
+from vlmq.stores.base import result_location
 
 __all__ = [
     "iter_errors",

@@ -51,11 +51,12 @@ from vlmq.config.errors import (
     VlmqError,
 )
 from vlmq.config.media_checks import decode_data_uri
-from vlmq.config.results import BlobWriter, ResultStore, open_store
 from vlmq.config.schemas import Request
 from vlmq.config.settings import Settings
 from vlmq.config.staging import media_key, staging_url
 from vlmq.producers.localfiles import LocalFile, file_info, open_local, resolve_local
+from vlmq.stores.base import BlobWriter, ObjectStore
+from vlmq.stores.urls import open_store
 
 __all__ = ["MediaStager", "StagingProgress", "media_type"]
 
@@ -104,7 +105,7 @@ class _Media:
 class _Target:
     """The staging location inside a store: keys are relative to ``url``."""
 
-    def __init__(self, store: ResultStore, prefix: str, url: str) -> None:
+    def __init__(self, store: ObjectStore, prefix: str, url: str) -> None:
         self.store, self.prefix, self.url = store, prefix, url
 
     def _key(self, key: str) -> str:
@@ -178,7 +179,7 @@ class MediaStager:
     def __init__(
         self,
         settings: Settings,
-        store: ResultStore | None = None,
+        store: ObjectStore | None = None,
         *,
         local_files: bool = True,
         allow_outside_base: bool = False,

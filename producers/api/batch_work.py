@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmq.config.errors import VlmqError
-from vlmq.config.results import BlobWriter
 from vlmq.config.tenants import owner_of
 from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.api.files import FileRegistry
@@ -36,6 +35,7 @@ from vlmq.producers.export import (
     to_openai_output,
 )
 from vlmq.producers.preflight import Preflight
+from vlmq.stores.base import BlobWriter
 
 __all__ = ["LOCK_S", "BatchWork", "output_file_ids"]
 

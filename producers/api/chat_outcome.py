@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vlmq.config.results import result_location
 from vlmq.config.status import TERMINAL, TaskState
 from vlmq.producers.api.errors import ApiError
 from vlmq.producers.client import Client
 from vlmq.producers.export import to_chat_completion
+from vlmq.stores.base import result_location
 
 __all__ = ["NO_RETRY", "Outcome", "read_outcome", "status_url", "task_error"]
 

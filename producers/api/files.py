@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from vlmq.config.results import BlobWriter
 from vlmq.config.tenants import DEFAULT_TENANT, Caller
 from vlmq.producers.api.openai_models import FileObject
 from vlmq.producers.client import Client
+from vlmq.stores.base import BlobWriter
 
 __all__ = [
     "FileRegistry",
@@ -138,7 +138,7 @@ class FileRegistry:
 
     def lines(self, file_id: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
         """The content line by line from byte ``start``, each line with the offset just
-        past it (see ``ResultStore.lines``)."""
+        past it (see ``ObjectStore.lines``)."""
         if not valid_file_id(file_id):
             return iter(())
         return self.client.store.lines(content_key(file_id), start)

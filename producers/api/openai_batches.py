@@ -13,7 +13,6 @@ from typing import IO, Any, Literal
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
 
-from vlmq.config.results import READ_CHUNK
 from vlmq.config.schemas import Modality
 from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
@@ -30,6 +29,7 @@ from vlmq.producers.api.openai_models import (
     FileObject,
 )
 from vlmq.producers.api.queues import check_capacity
+from vlmq.stores.base import READ_CHUNK
 
 __all__ = ["router"]
 

@@ -14,7 +14,6 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from vlmq.config.ids import valid_id
-from vlmq.config.results import ResultStore, result_location
 from vlmq.config.schemas import MAX_N, MAX_PARTS, MAX_TOP_LOGPROBS, Request, count_parts
 from vlmq.config.status import TaskState
 from vlmq.config.tenants import Caller
@@ -26,6 +25,7 @@ from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
 from vlmq.producers.api.openai_models import ChatCompletion, Conversation
 from vlmq.producers.api.queues import check_capacity
 from vlmq.producers.export import to_chat_completion
+from vlmq.stores.base import ObjectStore, result_location
 
 __all__ = ["router"]
 
@@ -242,7 +242,7 @@ def _record_without_object(task_id: str, status: dict[str, str]) -> dict[str, An
     }
 
 
-def _presigned(store: ResultStore, url: str) -> dict[str, str]:
+def _presigned(store: ObjectStore, url: str) -> dict[str, str]:
     signed = store.presign(store.key_of(url))
     if signed is None:
         raise ApiError(400, "presign_unsupported", "the results store cannot presign URLs")

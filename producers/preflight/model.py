@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from vlmq.config.model_files import find_model_dir, processor_specs, read_json
 from vlmq.config.vision import VisionProfile
 
-__all__ = ["ModelProfile", "TextCounter", "find_model_dir", "vision_profile_of"]
+__all__ = ["ModelProfile", "TextCounter"]
 
 DEFAULT_FAMILY_CONFIG = {"model_type": "qwen2_5_vl"}
 # Characters per token of the fallback text estimate (English prose with a BPE tokenizer).
@@ -37,54 +37,6 @@ _SPECIAL_TOKEN_NAMES = (
 )
 
 
-def _hub_cache() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache", "huggingface"
-    )
-    return Path(home) / "hub"
-
-
-def find_model_dir(name: str) -> Path | None:
-    """A local checkpoint directory, or the Hugging Face cache's snapshot of a hub id
-    (``org/name``, its ``main`` ref); None when neither is on this machine."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    if name.count("/") != 1:
-        return None
-    repo = _hub_cache() / f"models--{name.replace('/', '--')}"
-    try:
-        revision = (repo / "refs" / "main").read_text().strip()
-    except OSError:
-        return None
-    snapshot = repo / "snapshots" / revision
-    return snapshot if snapshot.is_dir() else None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _processor_specs(directory: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(processor, image processor, video processor) configs: transformers 5 nests the two
-    in processor_config.json; older checkpoints keep preprocessor_config.json (images, and
-    videos too when there is no video_preprocessor_config.json)."""
-    processor = _read_json(directory / "processor_config.json") or {}
-    image = processor.get("image_processor")
-    video = processor.get("video_processor")
-    if not isinstance(image, dict):
-        image = _read_json(directory / "preprocessor_config.json") or {}
-    if not isinstance(video, dict):
-        video = _read_json(directory / "video_preprocessor_config.json") or image
-    return processor, image, video
-
-
 def _chat_template(directory: Path) -> str | None:
     """The chat template the processor uses: chat_template.jinja, chat_template.json, then
     the processor's or the tokenizer's config."""
@@ -93,7 +45,7 @@ def _chat_template(directory: Path) -> str | None:
     except OSError:
         pass
     for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
-        template = (_read_json(directory / name) or {}).get("chat_template")
+        template = (read_json(directory / name) or {}).get("chat_template")
         if isinstance(template, str):
             return template
     return None
@@ -101,7 +53,7 @@ def _chat_template(directory: Path) -> str | None:
 
 def _special_tokens(directory: Path) -> dict[str, str]:
     """The tokenizer's special tokens by name: the template may print them."""
-    config = _read_json(directory / "tokenizer_config.json") or {}
+    config = read_json(directory / "tokenizer_config.json") or {}
     tokens = {}
     for name in _SPECIAL_TOKEN_NAMES:
         value = config.get(name)
@@ -207,16 +159,6 @@ class TextCounter:
         return cls(tokenizer, compiled, _special_tokens(directory))
 
 
-def vision_profile_of(directory: Path) -> VisionProfile | None:
-    """The visual-token profile in a model's files (config.json and the processor configs),
-    or None without a config.json: what a prepare worker resizes media for, torch-free."""
-    config = _read_json(directory / "config.json")
-    if config is None:
-        return None
-    processor, image, video = _processor_specs(directory)
-    return VisionProfile.from_configs(config, image, video, processor)
-
-
 @dataclass
 class ModelProfile:
     """The model as pre-flight sees it: build once (``load``) and share between estimates;
@@ -233,13 +175,13 @@ class ModelProfile:
         hub id already in the Hugging Face cache."""
         directory = find_model_dir(name)
         assumptions = []
-        config = _read_json(directory / "config.json") if directory is not None else None
+        config = read_json(directory / "config.json") if directory is not None else None
         if config is None:
             config = DEFAULT_FAMILY_CONFIG
             assumptions.append(
                 f"model files of {name!r} not found: visual tokens use Qwen2.5-VL's defaults"
             )
-        processor, image, video = _processor_specs(directory) if directory else ({}, {}, {})
+        processor, image, video = processor_specs(directory) if directory else ({}, {}, {})
         if directory is not None and not image:
             assumptions.append("no processor config in the model files: transformers' defaults")
         vision = VisionProfile.from_configs(config, image, video, processor)

@@ -24,7 +24,6 @@ from fastapi.testclient import TestClient
 
 from tests.integration.test_api_support import api_settings, wait_for_state, worker_loop
 from tests.support.services import vlmq_serve
-from vlmq.config import results
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.settings import Settings
 from vlmq.producers.api import batch_work
@@ -33,6 +32,10 @@ from vlmq.producers.api.batch_records import BatchRecords
 from vlmq.producers.api.batch_work import BatchWork, output_file_ids
 from vlmq.producers.api.files import FileRegistry, FileTooLarge, content_key
 from vlmq.producers.client import Client
+from vlmq.stores import base as results
+from vlmq.stores import s3 as s3_backend
+from vlmq.stores.s3 import S3Store
+from vlmq.stores.urls import open_store
 
 MiB = 1024 * 1024
 # The uploaded file, and how much the API process may grow while it passes through
@@ -198,7 +201,7 @@ def test_a_file_larger_than_the_memory_allowed_streams_up_and_down(
     assert uploaded["bytes"] == size == stored["ContentLength"] == received == declared
     assert _stored_sha256(s3, bucket, key) == sha256 == downloaded
     # Written through the streaming writer: one multipart part per PART_BYTES.
-    assert _parts_in(stored["ETag"]) == math.ceil(size / results.PART_BYTES)
+    assert _parts_in(stored["ETag"]) == math.ceil(size / s3_backend.PART_BYTES)
     assert upload_growth < GROWTH_ALLOWED, f"upload: +{upload_growth / MiB:.0f} MiB"
     assert download_growth < GROWTH_ALLOWED, f"download: +{download_growth / MiB:.0f} MiB"
 
@@ -235,7 +238,7 @@ def _finished_batch(client: Client, batch_id: str) -> None:
 def test_a_large_output_file_is_a_multipart_upload_written_while_results_are_read(
     settings, s3, monkeypatch
 ):
-    monkeypatch.setattr(results, "PART_BYTES", SMALL_PART)
+    monkeypatch.setattr(s3_backend, "PART_BYTES", SMALL_PART)
     client = Client(settings)
     files = FileRegistry(client)
     batch_id = "batch_bigoutput"
@@ -312,8 +315,8 @@ def test_a_stream_past_its_cap_is_aborted_leaving_nothing(settings, s3):
 
 
 def test_a_failed_last_part_aborts_the_upload(settings, s3):
-    store = results.open_store(settings.results_url, endpoint_url=settings.s3_endpoint_url)
-    assert isinstance(store, results.S3Store)
+    store = open_store(settings.results_url, endpoint_url=settings.s3_endpoint_url)
+    assert isinstance(store, S3Store)
     upload_part = store.client.upload_part
     calls = 0
 
@@ -329,7 +332,7 @@ def test_a_failed_last_part_aborts_the_upload(settings, s3):
     store.client.upload_part = failing_second_part  # type: ignore[method-assign]
     bucket, key = _object_key(settings, "file-lastpart")
     with pytest.raises(StoreUnavailable), store.writer(content_key("file-lastpart")) as out:
-        out.write(b"a" * results.PART_BYTES)  # one part now
+        out.write(b"a" * s3_backend.PART_BYTES)  # one part now
         out.write(b"b" * MiB)  # the last, sent at commit
     assert calls == 2
     assert _open_uploads(s3, bucket, key) == []

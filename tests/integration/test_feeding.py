@@ -20,12 +20,12 @@ from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loo
 from tests.support.services import wait_until
 from vlmq.broker.feeding import Feeder
 from vlmq.config.keys import Keys
-from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
 from vlmq.producers.bulk import feeder_for, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.commands import submit as submit_command
 from vlmq.producers.export import iter_errors, iter_results, job_summary
+from vlmq.stores.urls import open_store
 
 KEYS = Keys()
 

@@ -14,12 +14,12 @@ from tests.support.services import wait_until
 from vlmq.broker.connection import create_redis
 from vlmq.broker.state.intake import Intake, Leases
 from vlmq.config.keys import Keys
-from vlmq.config.results import open_store
 from vlmq.config.schemas import Request, Result
 from vlmq.config.settings import BatchPolicy
 from vlmq.config.status import TaskState
 from vlmq.config.wire import decode_message
 from vlmq.producers.client import Client
+from vlmq.stores.urls import open_store
 from vlmq.workers.fleet.service import compose_loop
 
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from tests.support.samples import make_image
-from vlmq.config.results import FileStore, S3Store
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
+from vlmq.stores.files import FileStore
+from vlmq.stores.s3 import S3Store
 from vlmq.workers.media import Downscale, Pixels
 from vlmq.workers.media.framebudget import FrameBudget
 from vlmq.workers.media.framestore import FrameStore

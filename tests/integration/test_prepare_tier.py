@@ -16,9 +16,9 @@ from tests.support.services import wait_until
 from vlmq.broker.connection import create_redis
 from vlmq.broker.queues import prepare_backlog, queue_depth
 from vlmq.config.keys import Keys
-from vlmq.config.results import open_store
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
+from vlmq.stores.urls import open_store
 from vlmq.workers.engine import Engine
 from vlmq.workers.engine.prepare import visual_downscale
 from vlmq.workers.fleet.metrics import WorkerMetrics

@@ -15,10 +15,11 @@ from tests.integration.test_fleet_loop import Running, make_loop
 from tests.support.samples import data_uri, make_image, save_image, save_video
 from tests.support.services import wait_until
 from vlmq.config.errors import MediaForbidden, StagingRefused
-from vlmq.config.results import BlobWriter, open_store
 from vlmq.config.settings import EngineSettings, MediaSettings, Settings
 from vlmq.config.staging import split_s3_url
 from vlmq.producers.client import Client, as_request
+from vlmq.stores.base import BlobWriter
+from vlmq.stores.urls import open_store
 from vlmq.workers.engine import Engine
 from vlmq.workers.media.fleet import fleet_loader
 

@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from vlmq.config.results import FileStore
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
+from vlmq.stores.files import FileStore
 from vlmq.workers.media import Pixels
 from vlmq.workers.media.framestore import FrameStore
 

@@ -14,8 +14,8 @@ import torch
 
 from tests.support.samples import make_image
 from vlmq.config.errors import ConfigError
-from vlmq.config.results import FileStore
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
+from vlmq.stores.files import FileStore
 from vlmq.workers.media import Downscale, Pixels
 from vlmq.workers.media.buffers import BufferPool
 from vlmq.workers.media.framestore import FrameStore

@@ -12,8 +12,9 @@ import pytest
 
 from tests.support.samples import make_image
 from vlmq.config.errors import StoreUnavailable
-from vlmq.config.results import FileStore, ObjectInfo
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
+from vlmq.stores.base import ObjectInfo
+from vlmq.stores.files import FileStore
 from vlmq.workers.media import Downscale
 from vlmq.workers.media.framebudget import FrameBudget
 from vlmq.workers.media.framestore import FrameStore

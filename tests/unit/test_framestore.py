@@ -16,9 +16,9 @@ from PIL import Image
 
 from tests.support.samples import make_image, make_video_bytes, save_image
 from vlmq.config.errors import ConfigError
-from vlmq.config.results import FileStore
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettings
+from vlmq.stores.files import FileStore
 from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, Pixels
 from vlmq.workers.media.decode import Sampling

@@ -150,7 +150,7 @@ def test_the_check_imports_nothing_the_gpu_machine_lacks() -> None:
     code = (
         "import sys, bench.gpu_media, bench.gpu_bench, bench.prepare_procs, "
         "vlmq.workers.engine.engine, vlmq.workers.media.device, vlmq.workers.engine.noop, "
-        "vlmq.config.results\n"
+        "vlmq.stores.urls\n"
         "print(sorted(m for m in ('redis', 'celery', 'kombu', 'boto3', 'botocore') "
         "if m in sys.modules))"
     )

@@ -19,12 +19,12 @@ import pytest
 from tests.support.blocking import fifo, within
 from tests.support.samples import save_image, save_video
 from vlmq.config.errors import InvalidRequest
-from vlmq.config.results import FileStore
 from vlmq.config.schemas import Request
 from vlmq.config.settings import MediaSettings, Settings, TenantQuota, TenantSettings
 from vlmq.producers.client import Client
 from vlmq.producers.preflight import Preflight
 from vlmq.producers.staging import MediaStager
+from vlmq.stores.files import FileStore
 
 PROMPT_S = 20.0  # what "at once" may take on a loaded machine; a blocked read never ends
 

@@ -10,9 +10,10 @@ from vlmq.broker.state import State
 from vlmq.broker.state.intake import Delivery
 from vlmq.broker.state.tasks import Tasks
 from vlmq.config.errors import StoreUnavailable
-from vlmq.config.results import FileStore, result_key
 from vlmq.config.settings import FleetSettings
 from vlmq.config.status import TaskState
+from vlmq.stores.base import result_key
+from vlmq.stores.files import FileStore
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settlement, Settler

@@ -14,8 +14,8 @@ import pytest
 from vlmq.broker.state.intake import Delivery
 from vlmq.broker.state.tasks import Move, Moved, Tasks
 from vlmq.config.errors import StoreUnavailable
-from vlmq.config.results import FileStore
 from vlmq.config.status import TaskState
+from vlmq.stores.files import FileStore
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settlement, Settler

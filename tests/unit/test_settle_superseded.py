@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from vlmq.broker.state.tasks import Move, Moved, Tasks
-from vlmq.config.results import FileStore
 from vlmq.config.status import TaskState
+from vlmq.stores.files import FileStore
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 from vlmq.workers.fleet.settle import Settlement, Settler

@@ -9,7 +9,7 @@ from itertools import pairwise
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vlmq.config.results import split_lines
+from vlmq.stores.base import split_lines
 
 
 def _chunked(data: bytes, cuts: list[int]) -> list[bytes]:

@@ -12,11 +12,12 @@ import pytest
 
 from tests.support.samples import save_image, save_video
 from vlmq.config.errors import ConfigError, InvalidRequest, MediaForbidden, StagingRefused
-from vlmq.config.results import BlobWriter, FileStore
 from vlmq.config.schemas import Request
 from vlmq.config.settings import MediaSettings, Settings
 from vlmq.config.staging import staging_url
 from vlmq.producers.staging import MediaStager, StagingProgress, media_type
+from vlmq.stores.base import BlobWriter
+from vlmq.stores.files import FileStore
 from vlmq.workers.media.fetch import MediaFetcher
 from vlmq.workers.media.fleet import fleet_media_settings
 from vlmq.workers.media.s3_fetch import is_allowed

@@ -31,10 +31,10 @@ from vlmq.broker.state import State
 from vlmq.broker.state.jobs import Queued
 from vlmq.config.ids import claim_of, fed_task_id
 from vlmq.config.jsonl import LineError
-from vlmq.config.results import ResultStore
 from vlmq.config.settings import FleetSettings
 from vlmq.config.status import TaskState
 from vlmq.config.wire import encode_message
+from vlmq.stores.base import ObjectStore
 
 __all__ = ["FeedCounts", "FeedLine", "Feeder"]
 
@@ -121,7 +121,7 @@ class Feeder:
     def __init__(
         self,
         state: State,
-        store: ResultStore,
+        store: ObjectStore,
         window: int,
         chunk: int = 2000,
         lease_s: float = 60.0,
@@ -143,7 +143,7 @@ class Feeder:
 
     @classmethod
     def for_fleet(
-        cls, state: State, store: ResultStore, fleet: FleetSettings, chunk: int = 2000
+        cls, state: State, store: ObjectStore, fleet: FleetSettings, chunk: int = 2000
     ) -> Feeder:
         """A feeder with the fleet's windows, lease, error cap and memory share (submitters
         and workers)."""

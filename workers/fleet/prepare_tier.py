@@ -35,6 +35,7 @@ from vlmq.broker.queues import prepare_backlog
 from vlmq.broker.state import State
 from vlmq.broker.state.intake import Delivery, Intake, Pull
 from vlmq.config.errors import ConfigError, InvalidRequest, VlmqError
+from vlmq.config.model_files import find_model_dir, vision_profile_of
 from vlmq.config.schemas import Request
 from vlmq.config.settings import FleetSettings
 from vlmq.config.vision import VisionProfile
@@ -78,8 +79,6 @@ def model_targets(model: str, downscale_at_decode: bool = True) -> Targets:
     targets would key the frame store apart from the GPU workers' (they would decode again)."""
     if not downscale_at_decode:
         return Targets(None, None)
-    from vlmq.producers.preflight.model import find_model_dir, vision_profile_of
-
     directory = find_model_dir(model)
     profile = vision_profile_of(directory) if directory is not None else None
     if profile is None:

@@ -30,8 +30,9 @@ from vlmq.broker.state import State
 from vlmq.config.errors import ConfigError
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
-from vlmq.config.results import ResultStore, open_store
 from vlmq.config.settings import FleetSettings, Settings
+from vlmq.stores.base import ObjectStore
+from vlmq.stores.urls import open_store
 from vlmq.workers.engine.interface import as_generation_engine
 from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.events import TaskEvents
@@ -77,7 +78,7 @@ def compose_loop(
     engine: Any,
     worker: str,
     redis: Redis,
-    store: ResultStore,
+    store: ObjectStore,
     observers: Sequence[LoopObserver] = (),
 ) -> BatchLoop:
     """Build a batch loop's collaborators and hand them to it (the loop builds nothing)."""
@@ -218,7 +219,7 @@ class WorkerService:
         self.celery_results = CeleryResults.for_settings(settings, self.hostname, state)
         return [self.celery_results]
 
-    def _feeder(self, store: ResultStore) -> Feeder:
+    def _feeder(self, store: ObjectStore) -> Feeder:
         """The feeder every worker runs for bulk jobs, on a connection of its own: a feed's
         script never waits behind the loop's."""
         fleet = self.settings.fleet

@@ -38,10 +38,10 @@ from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.broker.scripts import Wait
 from vlmq.broker.state.tasks import Move, Tasks
 from vlmq.config.errors import ResultNotStored, StoreUnavailable, VlmqError
-from vlmq.config.results import ResultStore, result_key
 from vlmq.config.settings import FleetSettings
 from vlmq.config.status import TaskState
 from vlmq.config.usage import TaskUsage
+from vlmq.stores.base import ObjectStore, result_key
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.observer import LoopObserver
 
@@ -152,7 +152,7 @@ class Settler:
 
     def __init__(
         self,
-        store: ResultStore,
+        store: ObjectStore,
         tasks: Tasks,
         held: Held,
         observer: LoopObserver,

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vlmq.config.errors import StoreUnavailable
-from vlmq.config.results import ObjectInfo, ResultStore
+from vlmq.stores.base import ObjectInfo, ObjectStore
 
 __all__ = ["LOW_WATER", "FrameBudget", "Sweep"]
 
@@ -59,7 +59,7 @@ class FrameBudget:
 
     def __init__(
         self,
-        store: ResultStore,
+        store: ObjectStore,
         max_bytes: int,
         min_free_bytes: int,
         scan_interval_s: float = 60.0,

@@ -42,9 +42,10 @@ import av
 import PIL
 
 from vlmq.config.errors import ConfigError, StoreUnavailable
-from vlmq.config.results import ObjectInfo, ResultStore, open_store
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.config.staging import DIGEST_FOLDER, file_url_folder
+from vlmq.stores.base import ObjectInfo, ObjectStore
+from vlmq.stores.urls import open_store
 from vlmq.workers.media.buffers import BufferPool
 from vlmq.workers.media.decode import Downscale, Sampling
 from vlmq.workers.media.framebudget import FrameBudget
@@ -179,12 +180,12 @@ class _Pause:
 
 
 class FrameStore:
-    """``key_for`` / ``get`` / ``put`` / ``has`` over a :class:`ResultStore`. Safe to share
+    """``key_for`` / ``get`` / ``put`` / ``has`` over a :class:`ObjectStore`. Safe to share
     between threads (the stores are)."""
 
     def __init__(
         self,
-        store: ResultStore,
+        store: ObjectStore,
         settings: FrameStoreSettings,
         media: MediaSettings,
         clock: Callable[[], float] = time.monotonic,

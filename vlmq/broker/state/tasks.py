@@ -21,9 +21,9 @@ import redis as redis_py
 from vlmq.broker.scripts import Call, Scripts, Wait
 from vlmq.config.ids import FED_ID, valid_id
 from vlmq.config.keys import Keys
-from vlmq.config.results import result_key
 from vlmq.config.status import TaskState, sources_of
 from vlmq.config.usage import TaskUsage
+from vlmq.stores.base import result_key
 
 __all__ = [
     "ENDED",

@@ -1,0 +1,1 @@
+"""Object stores: results, staged media, job input and output files, prepared frames."""

@@ -22,14 +22,13 @@ from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.ids import check_id
 from vlmq.config.settings import Settings
 from vlmq.config.usage import usage_report
+from vlmq.producers.api.openai.mapping import to_openai_error, to_openai_output
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import (
     iter_errors,
     iter_results,
     job_summary,
-    to_openai_error,
-    to_openai_output,
 )
 from vlmq.producers.staging import StagingProgress
 from vlmq.stores.urls import open_store

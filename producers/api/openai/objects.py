@@ -161,7 +161,7 @@ class CompletionUsage(BaseModel):
 
 class ChatCompletion(BaseModel):
     """A task's result as OpenAI chat completion (``GET /v1/tasks/{id}/result?format=openai``;
-    built by producers/export.py ``to_chat_completion``, as batch output lines are)."""
+    built by ``mapping.to_chat_completion``, as batch output lines are)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"

@@ -285,9 +285,9 @@ def test_a_stream_whose_client_hangs_up_stops_watching(settings, app, server, mo
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers) as r:
         events = r.iter_bytes()  # held: dropping it would close the connection already
         assert next(events).startswith(b": keepalive") and next(events)
-        assert app.state.waiter.waiting == 1
+        assert app.state.ctx.waiter.waiting == 1
     # The next keep-alive finds the connection gone; the stream ends and its watch with it.
-    wait_until(lambda: app.state.waiter.waiting == 0, timeout=10, what="the watch to close")
+    wait_until(lambda: app.state.ctx.waiter.waiting == 0, timeout=10, what="the watch to close")
 
 
 def test_failures_answer_openai_errors_with_their_status(settings, oai, server):

@@ -255,6 +255,22 @@ class Tasks:
             return [_fields(fields, values) for values in replies]
         return [with_state(r) if r else {"state": TaskState.UNKNOWN.value} for r in replies]
 
+    def ended(
+        self, job_id: str, task_ids: Sequence[str], fields: Sequence[str]
+    ) -> list[dict[str, str] | None]:
+        """The status ``fields`` of tasks of ``job_id`` that ended, whether their hash is still
+        there or they were folded into the job (three pipelined round trips at most); None for
+        one that is gone (a fed task superseded by a later submission's, or expired)."""
+        found: list[dict[str, str] | None] = []
+        for status in self.many(task_ids, fields):
+            found.append(status if status.get("state") != TaskState.UNKNOWN.value else None)
+        folded_at = [i for i, s in enumerate(found) if s is None and FED_ID.match(task_ids[i])]
+        folded = self._folded_many([task_ids[i] for i in folded_at])
+        for index, record in zip(folded_at, folded, strict=True):
+            if record is not None:
+                found[index] = record.status(task_ids[index], job_id)
+        return found
+
     def states(self, task_ids: Sequence[str]) -> list[TaskState]:
         """Each task's state, in one pipelined round trip (a second one for finished fed
         tasks, whose state their job keeps)."""

@@ -28,6 +28,7 @@ from vlmq.producers.api.openai_models import (
     FileList,
     FileObject,
 )
+from vlmq.producers.api.partial_output import partial_file_object, snapshot_lines
 from vlmq.producers.api.queues import check_capacity
 from vlmq.stores.base import READ_CHUNK
 
@@ -110,6 +111,8 @@ def get_file(
     batches: BatchService = Depends(batches_of),
     caller: Caller = Depends(caller_of),
 ) -> FileObject:
+    if (batch_id := batches.partial_batch(file_id, caller)) is not None:
+        return partial_file_object(batch_id)
     batches.ensure_output(file_id, caller)
     found = files.get(file_id, caller)
     if found is None:
@@ -128,7 +131,12 @@ def file_content(
     batches: BatchService = Depends(batches_of),
     caller: Caller = Depends(caller_of),
 ) -> Response:
-    """The uploaded input, or a finished batch's output or error file, streamed."""
+    """The uploaded input, a finished batch's output or error file, or a batch's lines
+    finished so far (its ``vlmq_partial_output_file_id``), streamed."""
+    if (batch_id := batches.partial_batch(file_id, caller)) is not None:
+        # A snapshot read as it is sent: its length is not known up front.
+        lines = snapshot_lines(batches.client, batch_id)
+        return StreamingResponse(lines, media_type="application/octet-stream")
     batches.ensure_output(file_id, caller)
     if files.get(file_id, caller) is None:
         raise ApiError(404, "not_found", "no such file")

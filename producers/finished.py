@@ -25,8 +25,8 @@ from vlmq.producers.export import fetch_record, iter_line_errors, iter_never_fed
 
 __all__ = ["Finished", "iter_finished", "lines_to_come"]
 
-# Task ids read per page: one LRANGE, two pipelined status reads, a window of store GETs.
-PAGE = 256
+# Task ids read per page: one LRANGE, one pipelined status read, a window of store GETs.
+PAGE = 1024
 _FIELDS = ("state", "result_url", "custom_id", "error_code", "error_message")
 
 

@@ -35,13 +35,18 @@ local function count_finished(tally, job, id)
 end
 
 -- The job's completion list gets its new ids in one call; it lives as long as the job hash
--- (keep_job renews both; a call that does not renew them gives the list the hash's ttl).
-local function push_finished(jobkey, ids, keep)
+-- (keep_job renews both; a call that does not renew them gives the list the hash's ttl, or
+-- `ttl` seconds where the hash has none: never a list that outlives its job).
+local function push_finished(jobkey, ids, keep, ttl)
   local list = jobkey .. ':finished'
   call_many('RPUSH', list, ids, 1)
   if not keep then
-    local ttl = redis.call('PTTL', jobkey)
-    if ttl > 0 then redis.call('PEXPIRE', list, ttl) end
+    local left = redis.call('PTTL', jobkey)
+    if left > 0 then
+      redis.call('PEXPIRE', list, left)
+    else
+      redis.call('EXPIRE', list, ttl)
+    end
   end
 end
 
@@ -59,7 +64,7 @@ local function apply_tally(tally, ctx)
       end
     end
     local finished = tally.finished[job]
-    if finished then push_finished(jobkey, finished, ctx.keep) end
+    if finished then push_finished(jobkey, finished, ctx.keep, ctx.ttl) end
     if ctx.keep then keep_job(jobkey, ctx.ttl, ctx.refs) end
     finish_check(jobkey, job, ctx.t, ctx.events)
   end

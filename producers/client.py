@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
@@ -38,9 +38,25 @@ from vlmq.producers.staging import MediaStager
 from vlmq.stores.base import ObjectStore, result_location
 from vlmq.stores.urls import open_store
 
-__all__ = ["Client", "as_request"]
+__all__ = ["Client", "Outcome", "as_request"]
 
 _TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A task that ended (or whose status is gone: state ``unknown``): its status hash and,
+    where its status names one, the stored record (None when that object is missing)."""
+
+    task_id: str
+    state: str
+    status: dict[str, str]
+    record: dict[str, Any] | None
+    stored: bool
+
+    @property
+    def ended(self) -> bool:
+        return self.state in _TERMINAL_STATES
 
 
 def as_request(item: Any, **overrides: Any) -> Request:
@@ -354,14 +370,24 @@ class Client:
         return self.state.jobs.task_ids(job_id, page)
 
     # results ---------------------------------------------------------------
+    def outcome(self, task_id: str) -> Outcome | None:
+        """The task's outcome once it ended, else None: the one read of status, then the
+        location it names, then the stored object (``result`` and the API's chat route)."""
+        status = self.state.tasks.get(task_id)
+        state = status.get("state", TaskState.UNKNOWN.value)
+        if state not in _TERMINAL_STATES and state != TaskState.UNKNOWN.value:
+            return None
+        location = result_location(status)
+        record = self.store.get(location) if location else None
+        return Outcome(task_id, state, status, record, stored=location is not None)
+
     def result(self, task_id: str, wait: float | None = None, poll_s: float = 0.1) -> Any:
         """The stored result object, waiting up to ``wait`` seconds for it."""
         deadline = time.monotonic() + (wait or 0)
         while True:
-            status = self.state.tasks.get(task_id)
-            if status.get("state") in _TERMINAL_STATES:
-                location = result_location(status)
-                return self.store.get(location) if location else {"id": task_id, **status}
+            outcome = self.outcome(task_id)
+            if outcome is not None and outcome.ended:
+                return outcome.record if outcome.stored else {"id": task_id, **outcome.status}
             if time.monotonic() >= deadline:
                 return None
             time.sleep(poll_s)

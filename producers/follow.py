@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from vlmq.config.status import JobState
+from vlmq.producers.api.openai.mapping import to_openai_error, to_openai_output
 from vlmq.producers.client import Client
-from vlmq.producers.export import to_openai_error, to_openai_output
 from vlmq.producers.finished import PAGE, iter_finished
 
 __all__ = ["Cursor", "LineWriter", "Sinks", "cursor_path", "follow", "read_once"]

@@ -16,15 +16,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from vlmq import __version__
 from vlmq.config.settings import Settings
-from vlmq.producers.api import chat, fleet_models, health, jobs, openai_batches, tasks, usage
+from vlmq.producers.api import health, jobs, tasks, usage
 from vlmq.producers.api.auth import KeyBook, bearer_scheme
-from vlmq.producers.api.batches import BatchService
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import install_error_handlers
-from vlmq.producers.api.files import FileRegistry
 from vlmq.producers.api.gate import Gate
 from vlmq.producers.api.limits import RateLimiter
 from vlmq.producers.api.metrics import MetricsMiddleware
+from vlmq.producers.api.openai import chat, files_batches, fleet_models
+from vlmq.producers.api.openai.batches import BatchService
+from vlmq.producers.api.openai.files import FileRegistry
 from vlmq.producers.api.waiter import TaskWaiter
 from vlmq.producers.client import Client
 
@@ -37,22 +38,21 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     keys = KeyBook(settings.api)
     # A server acts for remote callers: it never reads media paths from its own disk.
     client = client or Client(settings, local_media=False)
+    files = FileRegistry(client)
     ctx = ApiContext(
         settings=settings,
         client=client,
         limiter=RateLimiter(settings, client.state.tenants),
+        files=files,
+        batches=BatchService(client, files),
+        waiter=TaskWaiter(settings),
     )
-
-    files = FileRegistry(ctx.client)
-    batches = BatchService(ctx.client, files)
-    # Chat completions wait for their tasks on one subscription per process (waiter.py).
-    waiter = TaskWaiter(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await waiter.close()
-        batches.work.shutdown()
+        await ctx.waiter.close()
+        ctx.batches.work.shutdown()
 
     app = FastAPI(
         title="vlmq",
@@ -61,12 +61,9 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
-    app.state.files = files
-    app.state.batches = batches
-    app.state.waiter = waiter
     install_error_handlers(app)
     secured = [Depends(bearer_scheme)]
-    routers = (tasks.router, jobs.router, openai_batches.router, usage.router)
+    routers = (tasks.router, jobs.router, files_batches.router, usage.router)
     for router in (*routers, chat.router, fleet_models.router):
         app.include_router(router, dependencies=secured)
     app.include_router(health.router)

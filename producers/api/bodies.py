@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vlmq.producers.api.context import ApiContext
+from vlmq.producers.api.context import context
 from vlmq.producers.api.errors import BodyTooLarge
 
 __all__ = ["BodyRoute", "parse_json_body"]
@@ -77,7 +77,7 @@ class _ThreadParsedRequest(Request):
 
     async def json(self) -> Any:
         if self._parsed is _UNREAD:
-            ctx: ApiContext = self.app.state.ctx
+            ctx = context(self)
             bound = ctx.settings.api.max_body_objects
             self._parsed = await run_in_threadpool(parse_json_body, await self.body(), bound)
         return self._parsed

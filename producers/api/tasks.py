@@ -22,9 +22,9 @@ from vlmq.producers.api.bodies import BodyRoute
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
 from vlmq.producers.api.errors import ApiError, ErrorDetail, error_responses
-from vlmq.producers.api.openai_models import ChatCompletion, Conversation
+from vlmq.producers.api.openai.mapping import to_chat_completion
+from vlmq.producers.api.openai.objects import ChatCompletion, Conversation
 from vlmq.producers.api.queues import check_capacity
-from vlmq.producers.export import to_chat_completion
 from vlmq.stores.base import ObjectStore, result_location
 
 __all__ = ["router"]

@@ -19,8 +19,8 @@ from tests.e2e.test_fleet import _client, _job_finished, _policy
 from tests.support.samples import save_image
 from tests.support.services import wait_until
 from tests.support.structured import check_record, mixed_lines, openai_line
+from vlmq.producers.api.openai.mapping import to_chat_completion
 from vlmq.producers.commands import write_results
-from vlmq.producers.export import to_chat_completion
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 CUSTOM_IDS = [line["custom_id"] for line in mixed_lines("x.png")]

@@ -34,8 +34,8 @@ from tests.integration.test_api_support import (
 )
 from tests.support.services import vlmq_serve, wait_until
 from vlmq.config.settings import EngineSettings, Settings, TenantQuota
-from vlmq.producers.api import chat_stream
 from vlmq.producers.api.app import create_app
+from vlmq.producers.api.openai import chat_stream
 from vlmq.producers.client import Client
 
 KEY = "test-key-0123456789"

@@ -19,7 +19,7 @@ from tests.integration.test_api_support import (
     worker_loop,
 )
 from vlmq.producers.api.app import create_app
-from vlmq.producers.api.batch_records import BatchRecords
+from vlmq.producers.api.openai.batch_records import BatchRecords
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.client import Client
 

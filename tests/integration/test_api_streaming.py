@@ -26,11 +26,11 @@ from tests.integration.test_api_support import api_settings, wait_for_state, wor
 from tests.support.services import vlmq_serve
 from vlmq.config.errors import StoreUnavailable
 from vlmq.config.settings import Settings
-from vlmq.producers.api import batch_work
 from vlmq.producers.api.app import create_app
-from vlmq.producers.api.batch_records import BatchRecords
-from vlmq.producers.api.batch_work import BatchWork, output_file_ids
-from vlmq.producers.api.files import FileRegistry, FileTooLarge, content_key
+from vlmq.producers.api.openai import batch_work
+from vlmq.producers.api.openai.batch_records import BatchRecords
+from vlmq.producers.api.openai.batch_work import BatchWork, output_file_ids
+from vlmq.producers.api.openai.files import FileRegistry, FileTooLarge, content_key
 from vlmq.producers.client import Client
 from vlmq.stores import base as results
 from vlmq.stores import s3 as s3_backend

@@ -31,7 +31,7 @@ from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.settings import Settings, TenantQuota, TenantSettings
 from vlmq.config.status import TaskState
 from vlmq.producers.api.app import create_app
-from vlmq.producers.api.batch_records import BatchRecords
+from vlmq.producers.api.openai.batch_records import BatchRecords
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.cli import cli
 from vlmq.producers.client import Client, as_request

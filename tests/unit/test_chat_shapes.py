@@ -11,12 +11,12 @@ from typing import Any
 import openai
 import pytest
 
-from vlmq.producers.api import chat_stream
-from vlmq.producers.api.chat_outcome import Outcome, task_error
-from vlmq.producers.api.chat_stream import DONE, KEEPALIVE, completion_chunks, sse_answer
 from vlmq.producers.api.errors import ApiError, error_body
-from vlmq.producers.api.fleet_models import fleet_models
-from vlmq.producers.export import to_chat_completion
+from vlmq.producers.api.openai import chat_stream
+from vlmq.producers.api.openai.chat_outcome import Outcome, task_error
+from vlmq.producers.api.openai.chat_stream import DONE, KEEPALIVE, completion_chunks, sse_answer
+from vlmq.producers.api.openai.fleet_models import fleet_models
+from vlmq.producers.api.openai.mapping import to_chat_completion
 
 RECORD = {
     "id": "t1",

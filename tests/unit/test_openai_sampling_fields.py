@@ -14,9 +14,9 @@ from vlmq.config.jsonl import parse_line
 from vlmq.config.schemas import GenerationParams, Request
 from vlmq.config.settings import Settings
 from vlmq.producers.api.convert import request_from_body
-from vlmq.producers.api.openai_models import ChatCompletion
+from vlmq.producers.api.openai.mapping import to_chat_completion, to_openai_output
+from vlmq.producers.api.openai.objects import ChatCompletion
 from vlmq.producers.bulk import content_id
-from vlmq.producers.export import to_chat_completion, to_openai_output
 from vlmq.producers.preflight import Preflight
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends
 
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses
-from vlmq.producers.api.openai_models import Model, ModelList
-from vlmq.producers.api.openai_route import OpenAIRoute
+from vlmq.producers.api.openai.objects import Model, ModelList
+from vlmq.producers.api.openai.route import OpenAIRoute
 
 __all__ = ["fleet_models", "router"]
 

@@ -10,25 +10,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import IO, Any, Literal
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 
 from vlmq.config.schemas import Modality
 from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
-from vlmq.producers.api.batches import BatchService
 from vlmq.producers.api.bodies import BodyRoute
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses
-from vlmq.producers.api.files import FileRegistry, FileTooLarge
-from vlmq.producers.api.openai_models import (
+from vlmq.producers.api.openai.files import FileTooLarge
+from vlmq.producers.api.openai.objects import (
     BatchCreate,
     BatchList,
     BatchObject,
     FileList,
     FileObject,
 )
-from vlmq.producers.api.partial_output import partial_file_object, snapshot_lines
+from vlmq.producers.api.openai.partial_output import partial_file_object, snapshot_lines
 from vlmq.producers.api.queues import check_capacity
 from vlmq.stores.base import READ_CHUNK
 
@@ -45,22 +44,11 @@ _BINARY: dict[int | str, dict[str, Any]] = {
 }
 
 
-def files_of(request: Request) -> FileRegistry:
-    registry: FileRegistry = request.app.state.files
-    return registry
-
-
-def batches_of(request: Request) -> BatchService:
-    service: BatchService = request.app.state.batches
-    return service
-
-
 # files -------------------------------------------------------------------------
 @router.post("/files", responses=_WRITE_ERRORS)
 def upload_file(
     file: UploadFile = File(...),
     purpose: Literal["batch"] = Form(...),
-    files: FileRegistry = Depends(files_of),
     ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> FileObject:
@@ -71,7 +59,7 @@ def upload_file(
     """
     filename = (file.filename or "input.jsonl")[:255]
     try:
-        return files.create_stream(
+        return ctx.files.create_stream(
             _chunks(file.file),
             filename,
             purpose,
@@ -92,10 +80,10 @@ def _chunks(source: IO[bytes]) -> Iterator[bytes]:
 def list_files(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = Query(None, max_length=200),
-    files: FileRegistry = Depends(files_of),
+    ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> FileList:
-    data, more = files.list(limit, after, caller)
+    data, more = ctx.files.list(limit, after, caller)
     return _file_page(data, more)
 
 
@@ -107,14 +95,13 @@ def _file_page(data: list[FileObject], more: bool) -> FileList:
 @router.get("/files/{file_id}", responses=_READ_ERRORS)
 def get_file(
     file_id: str,
-    files: FileRegistry = Depends(files_of),
-    batches: BatchService = Depends(batches_of),
+    ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> FileObject:
-    if (batch_id := batches.partial_batch(file_id, caller)) is not None:
+    if (batch_id := ctx.batches.partial_batch(file_id, caller)) is not None:
         return partial_file_object(batch_id)
-    batches.ensure_output(file_id, caller)
-    found = files.get(file_id, caller)
+    ctx.batches.ensure_output(file_id, caller)
+    found = ctx.files.get(file_id, caller)
     if found is None:
         raise ApiError(404, "not_found", "no such file")
     return found
@@ -127,25 +114,24 @@ def get_file(
 )
 def file_content(
     file_id: str,
-    files: FileRegistry = Depends(files_of),
-    batches: BatchService = Depends(batches_of),
+    ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> Response:
     """The uploaded input, a finished batch's output or error file, or a batch's lines
     finished so far (its ``vlmq_partial_output_file_id``), streamed."""
-    if (batch_id := batches.partial_batch(file_id, caller)) is not None:
+    if (batch_id := ctx.batches.partial_batch(file_id, caller)) is not None:
         # A snapshot read as it is sent: its length is not known up front.
-        lines = snapshot_lines(batches.client, batch_id)
+        lines = snapshot_lines(ctx.client, batch_id)
         return StreamingResponse(lines, media_type="application/octet-stream")
-    batches.ensure_output(file_id, caller)
-    if files.get(file_id, caller) is None:
+    ctx.batches.ensure_output(file_id, caller)
+    if ctx.files.get(file_id, caller) is None:
         raise ApiError(404, "not_found", "no such file")
-    size = files.size(file_id)
+    size = ctx.files.size(file_id)
     if size is None:
         raise ApiError(404, "not_found", "the file's content is missing from the store")
     # The length up front: a download cut short by a store failure is seen as incomplete.
     return StreamingResponse(
-        files.read(file_id),
+        ctx.files.read(file_id),
         media_type="application/octet-stream",
         headers={"Content-Length": str(size)},
     )
@@ -155,7 +141,6 @@ def file_content(
 @router.post("/batches", responses=_WRITE_ERRORS)
 def create_batch(
     body: BatchCreate,
-    batches: BatchService = Depends(batches_of),
     ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> BatchObject:
@@ -165,17 +150,17 @@ def create_batch(
     file's classes are unknown until it is read.
     """
     check_capacity(ctx, {m.value: 1 for m in Modality})
-    return batches.create(body, caller)
+    return ctx.batches.create(body, caller)
 
 
 @router.get("/batches", responses=_READ_ERRORS)
 def list_batches(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = Query(None, max_length=200),
-    batches: BatchService = Depends(batches_of),
+    ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> BatchList:
-    data, more = batches.list(limit, after, caller)
+    data, more = ctx.batches.list(limit, after, caller)
     first, last = (data[0].id, data[-1].id) if data else (None, None)
     return BatchList(data=data, first_id=first, last_id=last, has_more=more)
 
@@ -183,16 +168,16 @@ def list_batches(
 @router.get("/batches/{batch_id}", responses=_READ_ERRORS)
 def get_batch(
     batch_id: str,
-    batches: BatchService = Depends(batches_of),
+    ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> BatchObject:
-    return batches.get(batch_id, caller)
+    return ctx.batches.get(batch_id, caller)
 
 
 @router.post("/batches/{batch_id}/cancel", responses=_READ_ERRORS)
 def cancel_batch(
     batch_id: str,
-    batches: BatchService = Depends(batches_of),
+    ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> BatchObject:
-    return batches.cancel(batch_id, caller)
+    return ctx.batches.cancel(batch_id, caller)

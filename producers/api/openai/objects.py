@@ -118,7 +118,7 @@ class BatchObject(BaseModel):
     # visual ones, output tokens); clients that do not know it ignore it.
     preflight: dict[str, Any] | None = None
     # vlmq's own: a file of the lines finished so far, read as a snapshot each time (from
-    # in_progress on; producers/api/partial_output.py); clients that do not know it ignore it.
+    # in_progress on; openai/partial_output.py); clients that do not know it ignore it.
     vlmq_partial_output_file_id: str | None = None
 
 
@@ -164,7 +164,7 @@ class CompletionUsage(BaseModel):
 
 class ChatCompletion(BaseModel):
     """A task's result as OpenAI chat completion (``GET /v1/tasks/{id}/result?format=openai``;
-    built by producers/export.py ``to_chat_completion``, as batch output lines are)."""
+    built by ``mapping.to_chat_completion``, as batch output lines are)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"

@@ -17,8 +17,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from vlmq.producers.api.chat_outcome import Outcome
 from vlmq.producers.api.errors import ApiError, error_body
+from vlmq.producers.api.openai.chat_outcome import Outcome
 
 __all__ = ["DONE", "KEEPALIVE", "KEEPALIVE_S", "completion_chunks", "sse_answer", "sse_event"]
 

@@ -24,16 +24,12 @@ from typing import Any
 
 from vlmq.config.errors import VlmqError
 from vlmq.config.tenants import owner_of
-from vlmq.producers.api.batch_records import BatchRecords
-from vlmq.producers.api.files import FileRegistry
+from vlmq.producers.api.openai.batch_records import BatchRecords
+from vlmq.producers.api.openai.files import FileRegistry
+from vlmq.producers.api.openai.mapping import to_openai_error, to_openai_output
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
-from vlmq.producers.export import (
-    iter_line_errors,
-    iter_results,
-    to_openai_error,
-    to_openai_output,
-)
+from vlmq.producers.export import iter_line_errors, iter_results
 from vlmq.producers.preflight import Preflight
 from vlmq.stores.base import BlobWriter
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from vlmq.config.tenants import DEFAULT_TENANT, Caller
-from vlmq.producers.api.openai_models import FileObject
+from vlmq.producers.api.openai.objects import FileObject
 from vlmq.producers.client import Client
 from vlmq.stores.base import BlobWriter
 

@@ -22,23 +22,23 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi import Request as HttpRequest
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from vlmq.config.schemas import Request
+from vlmq.config.tenants import Caller
 from vlmq.producers.api.auth import caller_of
-from vlmq.producers.api.chat_outcome import NO_RETRY, Outcome, read_outcome, status_url
-from vlmq.producers.api.chat_stream import sse_answer
-from vlmq.producers.api.context import ApiContext
+from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.convert import request_from_body
 from vlmq.producers.api.errors import ApiError, error_responses
-from vlmq.producers.api.openai_models import ChatCompletion
-from vlmq.producers.api.openai_models import ChatCompletionCreate as Body
-from vlmq.producers.api.openai_route import OpenAIRoute
+from vlmq.producers.api.openai.chat_outcome import NO_RETRY, Outcome, read_outcome, status_url
+from vlmq.producers.api.openai.chat_stream import sse_answer
+from vlmq.producers.api.openai.objects import ChatCompletion
+from vlmq.producers.api.openai.objects import ChatCompletionCreate as Body
+from vlmq.producers.api.openai.route import OpenAIRoute
 from vlmq.producers.api.queues import check_capacity
-from vlmq.producers.api.waiter import TaskWaiter, Watch
+from vlmq.producers.api.waiter import Watch
 
 __all__ = ["router"]
 
@@ -116,12 +116,12 @@ def _answer(outcome: Outcome, task_id: str) -> JSONResponse:
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=_RESPONSES)
-async def create_chat_completion(body: Body, http: HttpRequest) -> Response:
+async def create_chat_completion(
+    body: Body, ctx: ApiContext = Depends(context), caller: Caller = Depends(caller_of)
+) -> Response:
     """Run one chat completion on the fleet and answer it when it is done (or 504 with the
     task's status URL after `VLMQ_API__SYNC_TIMEOUT_S`)."""
-    ctx: ApiContext = http.app.state.ctx
-    waiter: TaskWaiter = http.app.state.waiter
-    caller = caller_of(http)
+    waiter = ctx.waiter
     stream = bool(body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     request = await run_in_threadpool(_request_of, body)

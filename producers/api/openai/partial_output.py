@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from vlmq.producers.api.openai_models import FileObject
+from vlmq.producers.api.openai.mapping import to_openai_error, to_openai_output
+from vlmq.producers.api.openai.objects import FileObject
 from vlmq.producers.client import Client
-from vlmq.producers.export import to_openai_error, to_openai_output
 from vlmq.producers.finished import iter_finished
 
 __all__ = ["batch_of_partial", "partial_file_id", "partial_file_object", "snapshot_lines"]

@@ -14,11 +14,11 @@ from itertools import islice
 from typing import Any
 
 from vlmq.config.tenants import Caller
-from vlmq.producers.api.batch_records import BatchRecords, new_batch_id
-from vlmq.producers.api.batch_work import BatchWork, output_file_ids
 from vlmq.producers.api.errors import ApiError
-from vlmq.producers.api.files import FileRegistry, newest_first
-from vlmq.producers.api.openai_models import (
+from vlmq.producers.api.openai.batch_records import BatchRecords, new_batch_id
+from vlmq.producers.api.openai.batch_work import BatchWork, output_file_ids
+from vlmq.producers.api.openai.files import FileRegistry, newest_first
+from vlmq.producers.api.openai.objects import (
     BatchCreate,
     BatchError,
     BatchErrors,
@@ -26,7 +26,7 @@ from vlmq.producers.api.openai_models import (
     BatchStatus,
     RequestCounts,
 )
-from vlmq.producers.api.partial_output import batch_of_partial, partial_file_id
+from vlmq.producers.api.openai.partial_output import batch_of_partial, partial_file_id
 from vlmq.producers.client import Client
 from vlmq.producers.export import iter_line_errors, job_summary
 

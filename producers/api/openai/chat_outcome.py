@@ -1,8 +1,8 @@
 """What a waiting chat completion answers once its task ended: the chat completion, or the
 task's error with the HTTP status that error deserves.
 
-Read on a worker thread (the status from Redis, the record from the store); the status is the
-truth, whatever woke the caller.
+Read on a worker thread through ``Client.outcome`` (the one read of status, location and
+stored record, shared with ``Client.result``); the status is the truth, whatever woke the caller.
 """
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vlmq.config.status import TERMINAL, TaskState
+from vlmq.config.status import TaskState
 from vlmq.producers.api.errors import ApiError
+from vlmq.producers.api.openai.mapping import to_chat_completion
 from vlmq.producers.client import Client
-from vlmq.producers.export import to_chat_completion
-from vlmq.stores.base import result_location
 
 __all__ = ["NO_RETRY", "Outcome", "read_outcome", "status_url", "task_error"]
-
-_TERMINAL = frozenset(s.value for s in TERMINAL)
 
 # The task ran and ended: sending the same call again would run it again (a new task), which
 # the official clients do for a 5xx unless told not to.
@@ -66,19 +63,16 @@ def task_error(task_id: str, state: str, status: dict[str, str]) -> ApiError:
 
 def read_outcome(client: Client, task_id: str) -> Outcome | None:
     """The task's outcome, or None while it has not ended."""
-    status = client.state.tasks.get(task_id)
-    state = status.get("state", TaskState.UNKNOWN.value)
-    if state == TaskState.SUCCEEDED.value:
-        location = result_location(status)
-        record = client.store.get(location) if location else None
-        if record is None:
+    ended = client.outcome(task_id)
+    if ended is None:
+        return None
+    if ended.state == TaskState.SUCCEEDED.value:
+        if ended.record is None:
             message = "the task's result object is missing from the store"
             return Outcome(error=ApiError(500, "result_missing", message, dict(NO_RETRY)))
-        return Outcome(completion=to_chat_completion(record))
-    if state in _TERMINAL:
-        return Outcome(error=task_error(task_id, state, status))
-    if state == TaskState.UNKNOWN.value:
-        # Its status is gone (Redis lost it): nothing will ever wake this call.
-        message = "the task's status is gone"
-        return Outcome(error=ApiError(500, "internal_error", message, dict(NO_RETRY)))
-    return None
+        return Outcome(completion=to_chat_completion(ended.record))
+    if ended.ended:
+        return Outcome(error=task_error(task_id, ended.state, ended.status))
+    # Its status is gone (Redis lost it): nothing will ever wake this call.
+    message = "the task's status is gone"
+    return Outcome(error=ApiError(500, "internal_error", message, dict(NO_RETRY)))

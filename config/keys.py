@@ -125,6 +125,12 @@ class Keys:
         (the fold, learning the job from the task, appends it)."""
         return f"{self.prefix}:job:{job_id}:custom_ids"
 
+    def job_finished(self, job_id: str) -> str:
+        """List of the job's task ids in the order they reached a terminal state, each once
+        (lua/tasks.lua appends it in the step that ends the task): readers page through it by
+        offset to follow a running job. ``job(id)`` plus ':finished'; expires with the job."""
+        return f"{self.job(job_id)}:finished"
+
     def job_numbers(self) -> str:
         """Counter giving each job a short number (fed task ids start with it)."""
         return f"{self.prefix}:jobs:number"

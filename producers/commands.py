@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,14 +23,12 @@ from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.ids import check_id
 from vlmq.config.settings import Settings
 from vlmq.config.usage import usage_report
-from vlmq.producers.api.openai.mapping import to_openai_error, to_openai_output
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
-from vlmq.producers.export import (
-    iter_errors,
-    iter_results,
-    job_summary,
-)
+from vlmq.producers.export import job_summary
+from vlmq.producers.finished import lines_to_come
+from vlmq.producers.follow import LineWriter, Sinks, cursor_path, read_once
+from vlmq.producers.follow import follow as follow_job
 from vlmq.producers.staging import StagingProgress
 from vlmq.stores.urls import open_store
 
@@ -88,19 +87,12 @@ def _wait(client: Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
 def write_results(
     client: Client, job_id: str, out: IO[str], errors: IO[str] | None, fmt: str
 ) -> tuple[int, int]:
-    """Succeeded records to ``out``; failures (and bad lines) to ``errors``, or
-    to ``out`` as well when no error file is given. Returns (ok, failed)."""
-    ok = failed = 0
-    for record in iter_results(client, job_id):
-        if record.get("status") == "succeeded":
-            line = to_openai_output(record) if fmt == "openai" else record
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            ok += 1
-    for record in iter_errors(client, job_id):
-        line = to_openai_error(record) if fmt == "openai" else record
-        (errors or out).write(json.dumps(line, ensure_ascii=False) + "\n")
-        failed += 1
-    return ok, failed
+    """Every finished line, in the order they finished: succeeded records to ``out``;
+    failures (and bad lines) to ``errors``, or to ``out`` as well when no error file is
+    given. Returns (ok, failed)."""
+    writer = LineWriter(out.write, errors.write if errors else None, fmt)
+    read_once(client, job_id, writer)
+    return writer.ok, writer.failed
 
 
 def _write_files(client: Client, job_id: str, output: Path, errors: Path | None, fmt: str) -> None:
@@ -335,12 +327,81 @@ def status(identifier: str, as_json: bool) -> None:
     show_default=True,
     help="openai: OpenAI Batch output and error lines.",
 )
-def results(job_id: str, output: Path, errors: Path | None, fmt: str) -> None:
-    """Stream a job's results from the store into JSONL files."""
+@click.option(
+    "--after",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Only the lines that finished after the first N (the position an earlier read printed).",
+)
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="Write lines as they finish until the job has finished; a rerun resumes from "
+    "OUTPUT.cursor.",
+)
+@click.option("--poll", "poll_s", type=float, default=1.0, show_default=True, hidden=True)
+def results(
+    job_id: str,
+    output: Path,
+    errors: Path | None,
+    fmt: str,
+    after: int | None,
+    follow: bool,
+    poll_s: float,
+) -> None:
+    """Write a job's finished lines, in the order they finished, into JSONL files (a running
+    job's too: the lines finished so far, and how many are still to come)."""
     client = _client()
     if not client.state.jobs.exists(job_id):
         raise click.ClickException(f"unknown job {job_id}")
-    _write_files(client, job_id, output, errors, fmt)
+    paths = [output] if errors is None else [output, errors]
+    if follow:
+        _follow(client, job_id, paths, fmt, after, poll_s)
+        return
+    with ExitStack() as stack:
+        writer = Sinks(stack, paths, None).writer(fmt)
+        position, complete = read_once(client, job_id, writer, after or 0)
+    click.echo(
+        f"{writer.ok:,} results -> {output}; {writer.failed:,} errors -> {errors or output}",
+        err=True,
+    )
+    _echo_position(client, job_id, position, complete)
+
+
+def _echo_position(client: Client, job_id: str, position: int, complete: bool) -> None:
+    if complete:
+        click.echo(f"every line of the job read (position {position:,})", err=True)
+        return
+    click.echo(
+        f"{lines_to_come(client, job_id):,} still to come; read on with --after {position}",
+        err=True,
+    )
+
+
+def _follow(
+    client: Client, job_id: str, paths: list[Path], fmt: str, after: int | None, poll_s: float
+) -> None:
+    def progress(writer: LineWriter, position: int) -> None:
+        _echo_progress(
+            f"{writer.ok:,} results, {writer.failed:,} errors written (position {position:,}); "
+            f"{lines_to_come(client, job_id):,} still to come"
+        )
+
+    try:
+        writer, cursor = follow_job(client, job_id, paths, fmt, after, poll_s, progress)
+    except KeyboardInterrupt:
+        click.echo(err=True)
+        raise click.ClickException(
+            f"interrupted; rerun with --follow to resume from {cursor_path(paths[0])}"
+        ) from None
+    except LookupError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(err=True)
+    click.echo(
+        f"{writer.ok:,} results, {writer.failed:,} errors written this run; "
+        f"every line of the job read (position {cursor.position:,})",
+        err=True,
+    )
 
 
 @click.command("usage")

@@ -19,7 +19,10 @@ from vlmq.producers.client import Client
 from vlmq.stores.base import result_location
 
 __all__ = [
+    "fetch_record",
     "iter_errors",
+    "iter_line_errors",
+    "iter_never_fed",
     "iter_results",
     "job_summary",
 ]
@@ -69,7 +72,8 @@ def _current_tasks(client: Client, job_id: str) -> Iterator[dict[str, str]]:
                 yield {"id": task_id, **folded.status(task_id, job_id)}
 
 
-def _fetch(client: Client, status: dict[str, str]) -> dict[str, Any]:
+def fetch_record(client: Client, status: dict[str, str]) -> dict[str, Any]:
+    """A finished task's result record from the store, or (none stored) one its status makes."""
     location = result_location(status)
     record = client.store.get(location) if location else None
     if record is not None:
@@ -97,11 +101,11 @@ def iter_results(
     )
     with ThreadPoolExecutor(max_workers=16) as pool:
         while window := list(islice(tasks, _WINDOW)):
-            yield from pool.map(lambda t: _fetch(client, t), window)
-    yield from _never_fed(client, job_id)
+            yield from pool.map(lambda t: fetch_record(client, t), window)
+    yield from iter_never_fed(client, job_id)
 
 
-def _never_fed(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
+def iter_never_fed(client: Client, job_id: str) -> Iterator[dict[str, Any]]:
     """The lines of feeds dropped by a cancel or the job's expiry before they were fed: read
     from the staged input, where they are (Redis kept only where the rest begins)."""
     fields: dict[str, str] = client.redis.hgetall(client.keys.job(job_id))  # type: ignore[assignment]

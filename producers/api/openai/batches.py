@@ -26,6 +26,7 @@ from vlmq.producers.api.openai.objects import (
     BatchStatus,
     RequestCounts,
 )
+from vlmq.producers.api.openai.partial_output import batch_of_partial, partial_file_id
 from vlmq.producers.client import Client
 from vlmq.producers.export import iter_line_errors, job_summary
 
@@ -100,6 +101,7 @@ class BatchService:
             finalizing_at=_int(record.get("finalizing_at")),
             **_closing_times(status, record),
             **self._file_ids(batch_id, record),
+            vlmq_partial_output_file_id=_partial_of(batch_id, status),
             request_counts=_counts(summary),
             errors=self._errors(batch_id, status, record),
             metadata=metadata or None,
@@ -175,6 +177,18 @@ class BatchService:
         return self.get(batch_id)
 
     # generated files -----------------------------------------------------------
+    def partial_batch(self, file_id: str, caller: Caller | None = None) -> str | None:
+        """The batch whose partial output file ``file_id`` is (404 when there is no such
+        batch, it is another tenant's, or it has no lines to offer yet); None when
+        ``file_id`` is not a partial file."""
+        batch_id = batch_of_partial(file_id)
+        if batch_id is None:
+            return None
+        record = self.records.get(batch_id, caller)
+        if record is None or not self.client.state.jobs.exists(batch_id):
+            raise ApiError(404, "not_found", "no such file")
+        return batch_id
+
     def ensure_output(self, file_id: str, caller: Caller | None = None) -> bool:
         """Write a finished batch's output files now if they are asked for first.
 
@@ -194,6 +208,11 @@ class BatchService:
         if not self.work.finalize_now(batch_id) or self.files.get(file_id) is None:
             raise ApiError(409, "not_finished", "the batch's files are being written")
         return True
+
+
+def _partial_of(batch_id: str, status: BatchStatus) -> str | None:
+    """A batch offers its finished lines from when it runs until its job expires."""
+    return None if status in ("validating", "failed") else partial_file_id(batch_id)
 
 
 def _check_body(body: BatchCreate) -> None:

@@ -27,6 +27,7 @@ from vlmq.producers.api.openai.objects import (
     FileList,
     FileObject,
 )
+from vlmq.producers.api.openai.partial_output import partial_file_object, snapshot_lines
 from vlmq.producers.api.queues import check_capacity
 from vlmq.stores.base import READ_CHUNK
 
@@ -97,6 +98,8 @@ def get_file(
     ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> FileObject:
+    if (batch_id := ctx.batches.partial_batch(file_id, caller)) is not None:
+        return partial_file_object(batch_id)
     ctx.batches.ensure_output(file_id, caller)
     found = ctx.files.get(file_id, caller)
     if found is None:
@@ -114,7 +117,12 @@ def file_content(
     ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> Response:
-    """The uploaded input, or a finished batch's output or error file, streamed."""
+    """The uploaded input, a finished batch's output or error file, or a batch's lines
+    finished so far (its ``vlmq_partial_output_file_id``), streamed."""
+    if (batch_id := ctx.batches.partial_batch(file_id, caller)) is not None:
+        # A snapshot read as it is sent: its length is not known up front.
+        lines = snapshot_lines(ctx.client, batch_id)
+        return StreamingResponse(lines, media_type="application/octet-stream")
     ctx.batches.ensure_output(file_id, caller)
     if ctx.files.get(file_id, caller) is None:
         raise ApiError(404, "not_found", "no such file")

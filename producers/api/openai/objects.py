@@ -117,6 +117,9 @@ class BatchObject(BaseModel):
     # vlmq's own: the validation pass's estimate (lines, modality mix, prompt tokens with the
     # visual ones, output tokens); clients that do not know it ignore it.
     preflight: dict[str, Any] | None = None
+    # vlmq's own: a file of the lines finished so far, read as a snapshot each time (from
+    # in_progress on; openai/partial_output.py); clients that do not know it ignore it.
+    vlmq_partial_output_file_id: str | None = None
 
 
 class BatchList(BaseModel):

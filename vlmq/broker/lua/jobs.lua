@@ -39,7 +39,8 @@ end
 -- without one). `refs`: Keys.job_ref_prefix.
 local function keep_job(jobkey, ttl, refs)
   local seq = redis.call('HGET', jobkey, 'seq')
-  for _, key in ipairs({jobkey, jobkey .. ':custom_ids', jobkey .. ':tasks'}) do
+  local keys = {jobkey, jobkey .. ':custom_ids', jobkey .. ':tasks', jobkey .. ':finished'}
+  for _, key in ipairs(keys) do
     redis.call('EXPIRE', key, ttl)
   end
   if seq then redis.call('EXPIRE', refs .. seq, ttl) end

@@ -2,7 +2,7 @@
 
 -- The job counter changes and finish checks of one script call, applied once per job at its
 -- end: a batch of 64 tasks of one job costs a few counter writes, not 128.
-local function new_tally() return {deltas = {}, mirror = {}, jobs = {}} end
+local function new_tally() return {deltas = {}, mirror = {}, jobs = {}, finished = {}} end
 
 -- `own`: the task counts in a quota of its own (not through its job's).
 local function count_move(tally, job, from, to, own)
@@ -21,6 +21,35 @@ local function count_move(tally, job, from, to, own)
   end
 end
 
+-- A task of `job` reached a terminal state (from one that was not: states only go forward, so
+-- once per task whatever retries or fenced settles follow): its id joins the job's completion
+-- list (Keys.job_finished) in this same step, so a reader paging through the list by offset
+-- sees each finished task once, in the order they finished.
+local function count_finished(tally, job, id)
+  local ids = tally.finished[job]
+  if not ids then
+    ids = {}
+    tally.finished[job] = ids
+  end
+  ids[#ids + 1] = id
+end
+
+-- The job's completion list gets its new ids in one call; it lives as long as the job hash
+-- (keep_job renews both; a call that does not renew them gives the list the hash's ttl, or
+-- `ttl` seconds where the hash has none: never a list that outlives its job).
+local function push_finished(jobkey, ids, keep, ttl)
+  local list = jobkey .. ':finished'
+  call_many('RPUSH', list, ids, 1)
+  if not keep then
+    local left = redis.call('PTTL', jobkey)
+    if left > 0 then
+      redis.call('PEXPIRE', list, left)
+    else
+      redis.call('EXPIRE', list, ttl)
+    end
+  end
+end
+
 -- `ctx`: {jobs = Keys.job_prefix, refs = Keys.job_ref_prefix, ttl = seconds, t = now, ts =
 -- stamp(t), events = the events list, keep = whether the job's keys get their ttl again (a
 -- settle does: every job that runs settles often; a start or a cancel need not)}.
@@ -34,6 +63,8 @@ local function apply_tally(tally, ctx)
         redis.call('HINCRBY', jobkey, state, n)
       end
     end
+    local finished = tally.finished[job]
+    if finished then push_finished(jobkey, finished, ctx.keep, ctx.ttl) end
     if ctx.keep then keep_job(jobkey, ctx.ttl, ctx.refs) end
     finish_check(jobkey, job, ctx.t, ctx.events)
   end
@@ -87,7 +118,7 @@ end
 -- One task's move: allowed from-states; `m.stampf` (if not '') gets Redis's time (`ctx.ts`,
 -- formatted once per call); the job's counters change in `tally`. `h` is the task hash's
 -- MOVE_FIELDS, read once by fenced_move. Returns previous state, moved (1|0).
-local function move(key, m, h, ctx, tally)
+local function move(key, id, m, h, ctx, tally)
   local current = h[1] or ''
   -- A start (it counts an attempt) this very delivery already made: it moved, once.
   if m.attempt and h[10] == m.token and m.token ~= '' then return current, 1 end
@@ -113,6 +144,7 @@ local function move(key, m, h, ctx, tally)
     quota_add(h[7], -1, -(tonumber(h[8] or '0') or 0))  -- it counted in a quota of its own
   end
   if in_job and current ~= m.new then count_move(tally, job, current, m.new, h[7] and true or false) end
+  if in_job and FOLDED[m.new] and not FOLDED[current] then count_finished(tally, job, id) end
   return current, 1
 end
 
@@ -162,7 +194,7 @@ local function fenced_move(key, id, m, ctx, tally)
     if delivery == m.token then return state, 0, 1, h, delivery end
     return state, 0, 0, h, 'ended'
   end
-  local previous, moved = move(key, m, h, ctx, tally)
+  local previous, moved = move(key, id, m, h, ctx, tally)
   -- Someone waits for this task's end (an API process answering a call synchronously).
   if moved == 1 and h[11] and FOLDED[m.new] then redis.call('PUBLISH', h[11], id) end
   return previous, moved, 1, h, h[2] or ''

@@ -255,6 +255,34 @@ class Tasks:
             return [_fields(fields, values) for values in replies]
         return [with_state(r) if r else {"state": TaskState.UNKNOWN.value} for r in replies]
 
+    def ended(
+        self, job_id: str, task_ids: Sequence[str], fields: Sequence[str]
+    ) -> list[dict[str, str] | None]:
+        """The status ``fields`` of tasks of ``job_id`` that ended, in one pipelined round
+        trip: a fed task's from its folded record (it was folded as it ended), another's from
+        its hash. None for one that is gone (a fed task superseded by a later submission's,
+        or expired)."""
+        pipe = self.redis.pipeline(transaction=False)
+        claims = self.keys.job_custom_ids(job_id)
+        fed = [FED_ID.match(task_id) for task_id in task_ids]
+        for task_id, match in zip(task_ids, fed, strict=True):
+            if match is not None:
+                pipe.hget(claims, match.group(2))
+            else:
+                pipe.hmget(self.keys.task(task_id), list(fields))
+        found: list[dict[str, str] | None] = []
+        for task_id, match, reply in zip(task_ids, fed, pipe.execute(), strict=True):
+            if match is None:
+                status = _fields(fields, reply)
+                found.append(status if status["state"] != TaskState.UNKNOWN.value else None)
+                continue
+            folded = Folded.parse(str(reply)) if reply else None
+            if folded is None or folded.submission != match.group(3) or folded.state is None:
+                found.append(None)
+            else:
+                found.append(folded.status(task_id, job_id))
+        return found
+
     def states(self, task_ids: Sequence[str]) -> list[TaskState]:
         """Each task's state, in one pipelined round trip (a second one for finished fed
         tasks, whose state their job keeps)."""

@@ -356,18 +356,18 @@ class _DecodeCounter:
     """Counts frames the decoder produced (the decode budget's spend) during one decode."""
 
     def __enter__(self) -> _DecodeCounter:
-        from vlmq.workers.media import decode
+        from vlmq.workers.media import video
 
         self.frames = 0
-        self._module = decode
-        self._original = decode._DecodeBudget.spend
+        self._module = video
+        self._original = video._DecodeBudget.spend
         counter = self
 
         def spend(budget: Any) -> None:
             counter.frames += 1
             counter._original(budget)
 
-        decode._DecodeBudget.spend = spend  # type: ignore[method-assign,assignment]
+        video._DecodeBudget.spend = spend  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -65,7 +65,7 @@ def downscale_json(downscale: Any) -> dict[str, Any] | None:
 
 
 def _downscale(spec: dict[str, Any] | None) -> Any:
-    from vlmq.workers.media.decode import Downscale
+    from vlmq.workers.media.image import Downscale
 
     if spec is None:
         return None

@@ -21,7 +21,6 @@ from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettin
 from vlmq.stores.files import FileStore
 from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, Pixels
-from vlmq.workers.media.decode import Sampling
 from vlmq.workers.media.framecodec import (
     CODECS,
     CorruptObject,
@@ -36,6 +35,7 @@ from vlmq.workers.media.framestore import (
     open_frame_store,
     staged_digest,
 )
+from vlmq.workers.media.video import Sampling
 
 pytestmark = pytest.mark.unit
 

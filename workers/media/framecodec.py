@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmq.workers.media.decode import DecodedVideo
 from vlmq.workers.media.pixels import CHANNELS, Pixels, pixels_of
+from vlmq.workers.media.video import DecodedVideo
 
 __all__ = [
     "CODECS",

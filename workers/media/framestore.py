@@ -47,7 +47,6 @@ from vlmq.config.staging import DIGEST_FOLDER, file_url_folder
 from vlmq.stores.base import ObjectInfo, ObjectStore
 from vlmq.stores.urls import open_store
 from vlmq.workers.media.buffers import BufferPool
-from vlmq.workers.media.decode import Downscale, Sampling
 from vlmq.workers.media.framebudget import FrameBudget
 from vlmq.workers.media.framecodec import (
     CorruptObject,
@@ -57,6 +56,8 @@ from vlmq.workers.media.framecodec import (
     missing_package,
     resolve_codec,
 )
+from vlmq.workers.media.image import Downscale
+from vlmq.workers.media.video import Sampling
 
 __all__ = [
     "FORMAT_VERSION",

@@ -747,7 +747,7 @@ class Runner:
         )
         from vlmq.workers.engine.prepare import visual_downscale
         from vlmq.workers.media import MediaLoader
-        from vlmq.workers.media.framestore import FrameStore
+        from vlmq.workers.media.prepared.framestore import FrameStore
 
         plan = self.plan
         media = MediaSettings(

@@ -27,11 +27,11 @@ from vlmq.config.errors import InvalidRequest
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.cache import MediaCache, Versions, content_key, version_key
 from vlmq.workers.media.fetch import MediaFetcher, MediaKind
-from vlmq.workers.media.framecodec import PreparedMedia
-from vlmq.workers.media.framestore import FrameScope, FrameStore, content_id
 from vlmq.workers.media.image import Downscale, check_image_pixels, decode_image, to_rgb
 from vlmq.workers.media.netpolicy import Resolver
-from vlmq.workers.media.pixels import Pixels
+from vlmq.workers.media.prepared.framecodec import PreparedMedia
+from vlmq.workers.media.prepared.framestore import FrameScope, FrameStore, content_id
+from vlmq.workers.media.prepared.pixels import Pixels
 from vlmq.workers.media.s3_fetch import S3ClientFactory
 from vlmq.workers.media.video import DecodedVideo, Sampling, decode_video, resolve_sampling
 

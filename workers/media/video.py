@@ -24,7 +24,7 @@ from vlmq.config.media_checks import check_aspect_ratio, demuxed_span, open_vide
 from vlmq.config.settings import MediaSettings
 from vlmq.config.vision import sampled_frame_count
 from vlmq.workers.media.image import Downscale
-from vlmq.workers.media.pixels import Pixels
+from vlmq.workers.media.prepared.pixels import Pixels
 
 __all__ = [
     "SAMPLING_MODES",

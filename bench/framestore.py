@@ -126,7 +126,7 @@ def load_media(seconds: int, target: str) -> Media:
 
 def _store_codecs() -> list[tuple[str, str, dict[str, Any]]]:
     """(label, codec, overrides of its encoder): the store's lossless codecs and variants."""
-    from vlmq.workers.media.framecodec import missing_package
+    from vlmq.workers.media.prepared.framecodec import missing_package
 
     variants = [
         ("raw uint8 + zlib 1 (without zstandard)", "zlib", {}),
@@ -149,7 +149,7 @@ def _store_codecs() -> list[tuple[str, str, dict[str, Any]]]:
 
 def _codec_with(codec: str, overrides: dict[str, Any]) -> Any:
     """The store's codec table with one entry's encoder parameters changed."""
-    from vlmq.workers.media import framecodec
+    from vlmq.workers.media.prepared import framecodec
 
     base = framecodec.CODECS[codec]
     if not overrides:
@@ -167,7 +167,7 @@ def _codec_with(codec: str, overrides: dict[str, Any]) -> Any:
 def _lossless_row(
     label: str, codec: str, overrides: dict[str, Any], media: Any, repeats: int
 ) -> str:
-    from vlmq.workers.media import framecodec
+    from vlmq.workers.media.prepared import framecodec
 
     saved = framecodec.CODECS[codec]
     framecodec.CODECS[codec] = _codec_with(codec, overrides)
@@ -249,7 +249,7 @@ def formats_section(media: Media, repeats: int) -> list[str]:
 
 
 def _codec() -> str:
-    from vlmq.workers.media.framecodec import resolve_codec
+    from vlmq.workers.media.prepared.framecodec import resolve_codec
 
     return resolve_codec("auto")
 
@@ -258,7 +258,7 @@ def store_section(media: Media, repeats: int) -> list[str]:
     from vlmq.config.settings import FrameStoreSettings, MediaSettings
     from vlmq.stores.files import FileStore
     from vlmq.workers.media import decode_image, decode_video
-    from vlmq.workers.media.framestore import FrameStore
+    from vlmq.workers.media.prepared.framestore import FrameStore
 
     settings = MediaSettings()
     lines = [
@@ -356,18 +356,18 @@ class _DecodeCounter:
     """Counts frames the decoder produced (the decode budget's spend) during one decode."""
 
     def __enter__(self) -> _DecodeCounter:
-        from vlmq.workers.media import decode
+        from vlmq.workers.media import video
 
         self.frames = 0
-        self._module = decode
-        self._original = decode._DecodeBudget.spend
+        self._module = video
+        self._original = video._DecodeBudget.spend
         counter = self
 
         def spend(budget: Any) -> None:
             counter.frames += 1
             counter._original(budget)
 
-        decode._DecodeBudget.spend = spend  # type: ignore[method-assign,assignment]
+        video._DecodeBudget.spend = spend  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -747,7 +747,7 @@ class Runner:
         )
         from vlmq.workers.engine.prepare import visual_downscale
         from vlmq.workers.media import MediaLoader
-        from vlmq.workers.media.framestore import FrameStore
+        from vlmq.workers.media.prepared.framestore import FrameStore
 
         plan = self.plan
         media = MediaSettings(
@@ -803,8 +803,8 @@ class Runner:
 
     # (a), (b), (c) -------------------------------------------------------------------------------
     def _decode(self, media: Media) -> None:
-        from vlmq.workers.media.decode import decode_image
         from vlmq.workers.media.device import decode_jpegs
+        from vlmq.workers.media.image import decode_image
 
         plan, settings, decoder = self.plan, self.media_settings, self.device_decoder
         assert settings is not None
@@ -875,8 +875,8 @@ class Runner:
             self.clock.say(f"(b) {row}")
 
     def _video(self, media: Media) -> None:
-        from vlmq.workers.media.decode import decode_video
         from vlmq.workers.media.device import cuda_available, torchcodec_available, video_route
+        from vlmq.workers.media.video import decode_video
 
         plan, settings = self.plan, self.media_settings
         assert settings is not None

@@ -65,7 +65,7 @@ def downscale_json(downscale: Any) -> dict[str, Any] | None:
 
 
 def _downscale(spec: dict[str, Any] | None) -> Any:
-    from vlmq.workers.media.decode import Downscale
+    from vlmq.workers.media.image import Downscale
 
     if spec is None:
         return None
@@ -83,7 +83,7 @@ def _loader(media_json: str, store_url: str) -> Any:
         from vlmq.config.settings import MediaSettings
         from vlmq.stores.urls import open_store
         from vlmq.workers.media import MediaLoader
-        from vlmq.workers.media.framestore import FrameStore
+        from vlmq.workers.media.prepared.framestore import FrameStore
 
         media = MediaSettings.model_validate_json(media_json)
         frames = FrameStore(open_store(store_url), media.frame_store, media)

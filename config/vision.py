@@ -5,7 +5,7 @@ producer's pre-flight (``vlmq submit --dry-run``, ``producers/preflight``), so b
 request's prompt the same way:
 
 * how many frames the worker samples from a video (``sampled_frame_count``, the count of
-  ``workers/media/decode.plan_sample_times``) and how it repeats or evens them out
+  ``workers/media/video.plan_sample_times``) and how it repeats or evens them out
   (``worker_frame_counts``);
 * how small the worker decodes an image or frame (``downscaled_size``, ``Downscale``);
 * how many placeholder tokens the processor expands each image or video into
@@ -71,7 +71,7 @@ def downscaled_size(
 ) -> tuple[int, int]:
     """(width, height) an image or frame of ``size`` is decoded at: at most ``max_pixels``
     in area keeping its aspect ratio, never smaller than covering ``cover`` (w, h), never
-    larger than the source (``workers/media/decode.Downscale``)."""
+    larger than the source (``workers/media/image.Downscale``)."""
     width, height = size
     scales = []
     if max_pixels:

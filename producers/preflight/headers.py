@@ -3,7 +3,7 @@
 Nothing is decoded: ``PIL.Image.open`` parses the header only (``.size`` allocates no
 pixels; a JPEG's reduced-scale ``draft`` is header arithmetic too), ``av.open`` reads the
 container's metadata and, only when that says too little, counts packets without decoding
-them, as the worker's probe does (``workers/media/decode._probe``). The worker's own checks
+them, as the worker's probe does (``workers/media/video._probe``). The worker's own checks
 that need no pixels (pixel and aspect limits, allowed formats and containers, byte caps,
 duration) are applied here too, so a line the worker would refuse is reported up front.
 

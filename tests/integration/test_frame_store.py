@@ -21,8 +21,8 @@ from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.stores.files import FileStore
 from vlmq.stores.s3 import S3Store
 from vlmq.workers.media import Downscale, Pixels
-from vlmq.workers.media.framebudget import FrameBudget
-from vlmq.workers.media.framestore import FrameStore
+from vlmq.workers.media.prepared.framebudget import FrameBudget
+from vlmq.workers.media.prepared.framestore import FrameStore
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import numpy as np
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.stores.files import FileStore
 from vlmq.workers.media import Pixels
-from vlmq.workers.media.framestore import FrameStore
+from vlmq.workers.media.prepared.framestore import FrameStore
 
 
 def main(argv: list[str]) -> int:

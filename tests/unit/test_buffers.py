@@ -17,9 +17,9 @@ from vlmq.config.errors import ConfigError
 from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.stores.files import FileStore
 from vlmq.workers.media import Downscale, Pixels
-from vlmq.workers.media.buffers import BufferPool
-from vlmq.workers.media.framestore import FrameStore
-from vlmq.workers.media.pixels import pixels_of
+from vlmq.workers.media.prepared.buffers import BufferPool
+from vlmq.workers.media.prepared.framestore import FrameStore
+from vlmq.workers.media.prepared.pixels import pixels_of
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.stores.base import ObjectInfo
 from vlmq.stores.files import FileStore
 from vlmq.workers.media import Downscale
-from vlmq.workers.media.framebudget import FrameBudget
-from vlmq.workers.media.framestore import FrameStore
+from vlmq.workers.media.prepared.framebudget import FrameBudget
+from vlmq.workers.media.prepared.framestore import FrameStore
 
 pytestmark = pytest.mark.unit
 

@@ -21,21 +21,21 @@ from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettin
 from vlmq.stores.files import FileStore
 from vlmq.workers.demo.tiny import FAMILIES
 from vlmq.workers.media import DecodedVideo, Downscale, MediaLoader, Pixels
-from vlmq.workers.media.decode import Sampling
-from vlmq.workers.media.framecodec import (
+from vlmq.workers.media.prepared.framecodec import (
     CODECS,
     CorruptObject,
     decode_object,
     encode_object,
     missing_package,
 )
-from vlmq.workers.media.framestore import (
+from vlmq.workers.media.prepared.framestore import (
     FrameStore,
     content_id,
     frame_store_url,
     open_frame_store,
     staged_digest,
 )
+from vlmq.workers.media.video import Sampling
 
 pytestmark = pytest.mark.unit
 
@@ -262,7 +262,7 @@ def test_an_object_whose_codec_package_is_missing_reads_as_corrupt(
 ) -> None:
     """A worker without the codec's package reads the object as a miss (it prepares the media
     again) and writes with the next codec it has."""
-    from vlmq.workers.media import framecodec
+    from vlmq.workers.media.prepared import framecodec
 
     if not _has(codec):
         pytest.skip(f"the {codec} codec's package is not installed here")

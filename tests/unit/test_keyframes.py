@@ -11,7 +11,7 @@ from vlmq.config.errors import InvalidRequest, MediaTooLarge
 from vlmq.config.schemas import Request
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media import MediaCache, MediaLoader, decode_video
-from vlmq.workers.media.decode import plan_sample_times, resolve_sampling
+from vlmq.workers.media.video import plan_sample_times, resolve_sampling
 
 pytestmark = pytest.mark.unit
 

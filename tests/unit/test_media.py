@@ -25,7 +25,7 @@ from tests.support.samples import (
 from vlmq.config.errors import InvalidRequest, MediaDecodeFailed, MediaTooLarge, VlmqError
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media import DecodedVideo, MediaLoader, decode_image, decode_video
-from vlmq.workers.media.decode import plan_sample_times
+from vlmq.workers.media.video import plan_sample_times
 
 pytestmark = pytest.mark.unit
 
@@ -322,7 +322,7 @@ def test_decode_errors_are_client_safe() -> None:
 def test_unreferenced_frames_are_skipped_between_samples_and_the_samples_are_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from vlmq.workers.media import decode as decode_module
+    from vlmq.workers.media import video as decode_module
 
     data = make_video_bytes(n_frames=250, size=(64, 64), fps=25, gop=50, codec="libx264")
     decoded: list[int] = []

@@ -12,7 +12,7 @@ from PIL import Image
 from tests.support.samples import make_image
 from vlmq.workers.engine.processors import _pixels_key
 from vlmq.workers.engine.runner import processor_media
-from vlmq.workers.media.pixels import KEY_ATTRIBUTE, Pixels, pixels_of
+from vlmq.workers.media.prepared.pixels import KEY_ATTRIBUTE, Pixels, pixels_of
 
 pytestmark = pytest.mark.unit
 

@@ -22,7 +22,7 @@ from PIL import Image
 from vlmq.workers.engine.mmcounts import count_placeholders_in_numpy
 from vlmq.workers.engine.placeholders import RunLengthTokenizer
 from vlmq.workers.media.cache import MediaCache
-from vlmq.workers.media.pixels import KEY_ATTRIBUTE
+from vlmq.workers.media.prepared.pixels import KEY_ATTRIBUTE
 
 __all__ = ["ProcessorSet", "tensor_bytes"]
 

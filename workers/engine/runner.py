@@ -48,7 +48,7 @@ from vlmq.workers.engine.model import LoadedModel, eos_token_ids
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.engine.slot_controls import RowSpec
 from vlmq.workers.engine.stops import StopTable
-from vlmq.workers.media.pixels import Pixels
+from vlmq.workers.media.prepared.pixels import Pixels
 
 __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory", "row_specs"]
 

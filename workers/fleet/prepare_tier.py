@@ -4,9 +4,9 @@ A prepare worker (``vlmq worker --role prepare``) pulls raw image and video task
 GPU worker does (same leases, fencing, fair share, reaping), fetches and guards their media,
 decodes, samples frames and resizes them to the target the model's processor will use (read
 from the model's config files, torch-free: ``config/vision.py``), writes the prepared media to
-the frame store (``workers/media/framestore.py``) and hands each task on, unchanged and under
-the same id, to its lane's prepared list (``lua/intake.lua`` ``hand_on``). GPU workers pull
-prepared lists first and read the media back instead of decoding them. With no prepare worker
+the frame store (``workers/media/prepared/framestore.py``) and hands each task on, unchanged
+and under the same id, to its lane's prepared list (``lua/intake.lua`` ``hand_on``). GPU workers
+pull prepared lists first and read the media back instead of decoding them. With no prepare worker
 running, GPU workers pull raw tasks and prepare them themselves, as they always did.
 
 Nothing fails here: a request the worker cannot read, media it cannot fetch or decode, a task

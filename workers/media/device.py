@@ -1,9 +1,9 @@
 """Media decoding on the model's GPU, where there is no prepare tier: which items go there
 (a pure rule, per item) and the batched nvJPEG path with its fallback.
 
-The CPU path (``decode.py``: Pillow, FFmpeg) stays the reference: device decoding is opt-in
-(``media.device_decode``: ``cpu`` by default, ``auto`` or ``cuda``), is not bit-exact (nvJPEG
-upsamples chroma differently from libjpeg; hardware video decoders differ from FFmpeg's
+The CPU path (``image.py``: Pillow; ``video.py``: FFmpeg) stays the reference: device decoding
+is opt-in (``media.device_decode``: ``cpu`` by default, ``auto`` or ``cuda``), is not bit-exact
+(nvJPEG upsamples chroma differently from libjpeg; hardware video decoders differ from FFmpeg's
 software ones), and any error on the device falls back to the CPU decode of the same bytes.
 Decoded images are resized to the processor's target on the device and come back to the host
 as small uint8 images, so everything after decoding (the media cache, the frame store, the
@@ -36,7 +36,7 @@ from PIL import Image
 from vlmq.config.errors import VlmqError
 from vlmq.config.media_checks import check_image_pixels
 from vlmq.config.settings import MediaSettings
-from vlmq.workers.media.decode import Downscale, decode_image
+from vlmq.workers.media.image import Downscale, decode_image
 
 __all__ = [
     "NvJpegDecoder",

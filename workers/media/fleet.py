@@ -16,7 +16,7 @@ from typing import Any
 from vlmq.config.settings import MediaSettings, Settings
 from vlmq.config.staging import file_url_folder, staging_url
 from vlmq.workers.media import MediaLoader
-from vlmq.workers.media.framestore import open_frame_store
+from vlmq.workers.media.prepared.framestore import open_frame_store
 
 __all__ = ["fleet_loader", "fleet_media_settings", "fleet_s3_client"]
 

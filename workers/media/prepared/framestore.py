@@ -46,10 +46,10 @@ from vlmq.config.settings import FrameStoreSettings, MediaSettings
 from vlmq.config.staging import DIGEST_FOLDER, file_url_folder
 from vlmq.stores.base import ObjectInfo, ObjectStore
 from vlmq.stores.urls import open_store
-from vlmq.workers.media.buffers import BufferPool
-from vlmq.workers.media.decode import Downscale, Sampling
-from vlmq.workers.media.framebudget import FrameBudget
-from vlmq.workers.media.framecodec import (
+from vlmq.workers.media.image import Downscale
+from vlmq.workers.media.prepared.buffers import BufferPool
+from vlmq.workers.media.prepared.framebudget import FrameBudget
+from vlmq.workers.media.prepared.framecodec import (
     CorruptObject,
     PreparedMedia,
     decode_object,
@@ -57,6 +57,7 @@ from vlmq.workers.media.framecodec import (
     missing_package,
     resolve_codec,
 )
+from vlmq.workers.media.video import Sampling
 
 __all__ = [
     "FORMAT_VERSION",

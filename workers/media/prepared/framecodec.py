@@ -5,7 +5,7 @@ Layout: ``MAGIC | u32 header length | header (JSON) | payload | SHA-256``. The h
 the codec, the frames' size and count (and, for the per-frame image codecs, each frame's byte
 length), so any worker reads any object whatever codec wrote it. The payload is the frames
 *planar*, ``(frames, 3, height, width)`` uint8, which is what the processors take: read
-back, it becomes their input without a copy (``Pixels``, workers/media/pixels.py).
+back, it becomes their input without a copy (``Pixels``, workers/media/prepared/pixels.py).
 
 The checksum: the raw codec's payload starts with the XXH3-128 of its frames, and zstd and
 zlib check their own payload while decompressing (zstd's XXH64 of the content, zlib's
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmq.workers.media.decode import DecodedVideo
-from vlmq.workers.media.pixels import CHANNELS, Pixels, pixels_of
+from vlmq.workers.media.prepared.pixels import CHANNELS, Pixels, pixels_of
+from vlmq.workers.media.video import DecodedVideo
 
 __all__ = [
     "CODECS",

@@ -11,7 +11,7 @@ from tests.support.samples import save_image, save_video
 from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
-from vlmq.config.usage import usage_report
+from vlmq.broker.state.usage import usage_report
 from vlmq.producers.client import Client
 
 

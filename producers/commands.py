@@ -19,10 +19,10 @@ from typing import IO, Any
 
 import click
 
+from vlmq.broker.state.usage import usage_report
 from vlmq.config.errors import InvalidRequest, QuotaExceeded
 from vlmq.config.ids import check_id
 from vlmq.config.settings import Settings
-from vlmq.config.usage import usage_report
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import job_summary

@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 
+from vlmq.broker.state.usage import usage_report
 from vlmq.config.ids import valid_id
 from vlmq.config.tenants import Caller
-from vlmq.config.usage import usage_report
 from vlmq.producers.api.auth import caller_of
 from vlmq.producers.api.context import ApiContext, context
 from vlmq.producers.api.errors import ApiError, error_responses

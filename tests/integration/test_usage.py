@@ -17,10 +17,11 @@ from tests.integration.test_fleet_loop import _job_done
 from tests.support.services import wait_until
 from vlmq.broker.state import State
 from vlmq.broker.state.tasks import Move
+from vlmq.broker.state.usage import usage_report
 from vlmq.config.schemas import FinishReason, Result, Usage
 from vlmq.config.settings import ApiSettings
 from vlmq.config.status import TaskState
-from vlmq.config.usage import TaskUsage, usage_report
+from vlmq.config.usage import TaskUsage
 from vlmq.producers.api.app import create_app
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.cli import cli

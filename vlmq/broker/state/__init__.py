@@ -9,6 +9,7 @@ settle (fencing)   dead letters, reads)
 jobs and feeds     ``jobs.py``: Jobs, Feeds                     ``jobs.lua``
 tenants            ``tenants.py``: Tenants (quotas, rates)      ``tenants.lua``
 events             ``events.py``: Events (webhook events)       ``events.lua``
+usage (read back)  ``usage.py``: read_usage, usage_report       counted in ``tasks.lua``
 =================  ==========================================  ============================
 
 Every script runs through one dispatch (``vlmq/broker/scripts.py``, ``lua/dispatch.lua``), every

@@ -6,7 +6,7 @@ The check reads them once and refuses the whole submission when it would pass a 
 submitters checking at the same moment may both pass (the quota is a bound on what waits,
 not a reservation), so a tenant can overshoot by at most one submission each. A rate bucket
 is one script call per request, shared by every API process; a retried call spends nothing
-more. What tenants used is ``config/usage.py``'s.
+more. What tenants used is ``state/usage.py``'s.
 """
 
 from __future__ import annotations

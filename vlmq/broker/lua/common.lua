@@ -1,3 +1,4 @@
+-- uses nothing from the other files
 -- vlmq's Redis scripts: one source made of one file per concern, run through one dispatch
 -- (vlmq/broker/scripts.py concatenates them in this order: common, tenants, intake, jobs, tasks,
 -- events, dispatch). ARGV[1] names the command; the rest of ARGV and KEYS are the command's

@@ -1,3 +1,4 @@
+-- uses nothing from the other files
 -- dispatch: run the command ARGV[1] names. The last two ARGV belong to the dispatch and are
 -- taken off (from the end: no shifting) before the command reads ARGV: the call's replay key
 -- (Keys.call: '' for a command that is safe to repeat) and how long it is kept. A command that is not safe to repeat is

@@ -1,3 +1,4 @@
+-- uses common.lua: now
 -- events: finished-job events for webhooks, taken under a lease so a sender that stops or
 -- dies never loses one. KEYS[1] events list, KEYS[2] leased zset (job id -> deadline).
 

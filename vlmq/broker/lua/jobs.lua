@@ -1,3 +1,5 @@
+-- uses common.lua: call_many, field_index, now, read_many, read_names, stamp;
+--      tenants.lua: admit, queued_by, quota_add; intake.lua: activate
 -- jobs and feeds: opening, sealing and finishing jobs; enqueueing and feeding their tasks ----
 
 -- The submitters still adding to a job are fields 'sub:<submission>' = lease deadline of its

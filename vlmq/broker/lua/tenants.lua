@@ -1,3 +1,4 @@
+-- uses common.lua: now, stamp
 -- tenants: quotas, usage and the API's rate buckets ----------------------------------------
 
 -- A tenant's queued work is a hash (Keys.quota: 'tasks', 'tokens'), named by the 'quota' field

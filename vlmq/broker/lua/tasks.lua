@@ -1,4 +1,4 @@
--- uses common.lua: is_fed_id, now, stamp; tenants.lua: count_usage, new_sums, queued_by,
+-- uses common.lua: call_many, is_fed_id, now, stamp; tenants.lua: count_usage, new_sums, queued_by,
 --      quota_add, read_usage, write_sums; intake.lua: forget_all;
 --      jobs.lua: finish_check, keep_job
 -- tasks: state moves, fenced by delivery; settle (terminal moves and acknowledgements) -----

@@ -241,7 +241,7 @@ def stall_drill(repeats: int) -> list[dict[str, Any]]:
 def _stall_table(runs: list[dict[str, Any]], command: str) -> str:
     columns = ["tasks", "succeeded", "delivered_twice", "duplicate_executions", "lost", "wall_s"]
     lines = [
-        f"Command: `{command}`. Machine: {machine()}. Two no-op workers (0.5 s batches of 4, "
+        f"Command: `{command}`. Machine: {machine()}. Two no-op workers (2 s batches of 4, "
         "lease 6 s, reap 0.5 s); one runs under libfaketime 20 s ahead with its monotonic "
         "clock shifted too (`FAKETIME_DONT_FAKE_MONOTONIC=0`), so its heartbeat's timed wait "
         "never returns and it renews nothing.",

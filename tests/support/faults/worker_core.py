@@ -96,7 +96,7 @@ def clock_skew(
 
 
 def renewal_stall(
-    h: Harness, tasks: int = 60, lease_s: float = 6.0, delay_s: float = 0.5, skew_s: float = 20.0
+    h: Harness, tasks: int = 60, lease_s: float = 6.0, delay_s: float = 2.0, skew_s: float = 20.0
 ) -> dict[str, Any]:
     """Two noop workers with short leases; one runs ``skew_s`` ahead with its monotonic clock
     shifted too, so its heartbeat thread's timed wait never returns and it renews nothing

@@ -68,4 +68,3 @@ def test_a_task_whose_last_run_was_another_process_is_dead_lettered() -> None:
         assert [s.record["error"]["code"] for s in settler.submitted] == ["dead_lettered"]
         assert len(tasks.letters) == 1
         settler.close()
-

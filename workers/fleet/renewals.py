@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 # a lease, so this is half a beat late; nothing is pulled then.
 STALL_SHARE = 1 / 2
 # A micro-batch starts only while its leases have this share of a lease left (they run from
-# its pull or from the last renewal, whichever is later); otherwise it is given back.
-START_SHARE = 1 / 2
+# its pull or from the last renewal, whichever is later); otherwise it is given back. A third:
+# a heartbeat merely late on a loaded host (a beat missed) gives nothing back.
+START_SHARE = 1 / 3
 
 
 def redis_time(redis: Redis) -> float:

@@ -3,6 +3,7 @@
     python -m bench.faults [--quick] [--write docs/reliability.md]
     python -m bench.faults --drill replies [--repeats 3] [--quick] [--write docs/reliability.md]
     python -m bench.faults --drill prepare [--repeats 3] [--write docs/reliability.md]
+    python -m bench.faults --drill stall [--repeats 3] [--write docs/reliability.md]
 
 Real redis-server, moto's S3 server behind a breakable TCP proxy, and real
 ``vlmq worker`` processes (the no-op engine for delivery faults, the tiny
@@ -222,6 +223,38 @@ def prepare_drill(repeats: int) -> dict[str, list[dict[str, Any]]]:
     return runs
 
 
+STALL_TASKS = 60
+
+
+def stall_drill(repeats: int) -> list[dict[str, Any]]:
+    """The renewal-stall drill (issue 38; ``worker_core.renewal_stall``): 60 tasks, two noop
+    workers with 6 s leases, one 20 s ahead with its monotonic clock shifted too (its
+    heartbeat stalls), ``repeats`` times, each on a fresh Redis."""
+    if faketime_library() is None:
+        raise SystemExit("libfaketime is not installed (apt-get install faketime)")
+    return [
+        _run(f"stall, run {n}", lambda h: worker_core.renewal_stall(h, STALL_TASKS))
+        for n in range(repeats)
+    ]
+
+
+def _stall_table(runs: list[dict[str, Any]], command: str) -> str:
+    columns = ["tasks", "succeeded", "delivered_twice", "duplicate_executions", "lost", "wall_s"]
+    lines = [
+        f"Command: `{command}`. Machine: {machine()}. Two no-op workers (2 s batches of 4, "
+        "lease 6 s, reap 0.5 s); one runs under libfaketime 20 s ahead with its monotonic "
+        "clock shifted too (`FAKETIME_DONT_FAKE_MONOTONIC=0`), so its heartbeat's timed wait "
+        "never returns and it renews nothing.",
+        "",
+        "| run | " + " | ".join(c.replace("_", " ") for c in columns) + " | by worker |",
+        "| --- |" + " ---: |" * len(columns) + " --- |",
+    ]
+    for n, run in enumerate(runs):
+        cells = " | ".join(str(run[c]) for c in columns)
+        lines.append(f"| {n} | {cells} | {run['by_worker']} |")
+    return "\n".join(lines)
+
+
 def _prepare_table(runs: dict[str, list[dict[str, Any]]], command: str) -> str:
     lines = [
         f"Command: `{command}`. Machine: {machine()}. Lease 3 s, reap interval 0.5 s, "
@@ -284,7 +317,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--write", default=None)
-    parser.add_argument("--drill", choices=["replies", "prepare"], default=None)
+    parser.add_argument("--drill", choices=["replies", "prepare", "stall"], default=None)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.drill == "replies":
@@ -303,6 +336,15 @@ def main() -> None:
         print(table)
         if args.write:
             replace_section(Path(args.write), "prepare-drill", table)
+        return
+    if args.drill == "stall":
+        table = _stall_table(
+            stall_drill(args.repeats),
+            f"python -m bench.faults --drill stall --repeats {args.repeats}",
+        )
+        print(table)
+        if args.write:
+            replace_section(Path(args.write), "stall-drill", table)
         return
     results = run(QUICK if args.quick else FULL)
     command = "python -m bench.faults" + (" --quick" if args.quick else "")

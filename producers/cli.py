@@ -80,5 +80,19 @@ def main(argv: list[str] | None = None) -> Any:
         click.echo(f"Error: {exc}", err=True)
         sys.exit(2)
     except VlmqError as exc:  # refused input or a quota: the message says why, no trace
+        from vlmq.producers.failures import EXIT_OUTAGE, describe, is_outage
+
+        if is_outage(exc):  # the store failed under a command that did not say more
+            click.echo(f"Error: {describe(exc)}; rerunning the same command is safe", err=True)
+            sys.exit(EXIT_OUTAGE)
         click.echo(f"Error: {exc.message} ({exc.code})", err=True)
         sys.exit(1)
+    except Exception as exc:
+        # Redis or the store failed under a command that did not say more (the producer
+        # commands do: producers/failures.py): one line, not a traceback.
+        from vlmq.producers.failures import EXIT_OUTAGE, describe, is_outage
+
+        if not is_outage(exc):
+            raise
+        click.echo(f"Error: {describe(exc)}; rerunning the same command is safe", err=True)
+        sys.exit(EXIT_OUTAGE)

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
 import time
 import uuid
@@ -26,6 +27,7 @@ from vlmq.config.settings import Settings
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import job_summary
+from vlmq.producers.failures import reported
 from vlmq.producers.finished import lines_to_come
 from vlmq.producers.follow import LineWriter, Sinks, cursor_path, read_once
 from vlmq.producers.follow import follow as follow_job
@@ -51,6 +53,12 @@ def parse_window(text: str | None) -> float | None:
 
 def _client() -> Client:
     return Client(Settings())
+
+
+def _this_command(*extra: str) -> str:
+    """The command line that ran this command, with ``extra`` arguments added (what to run
+    again to resume it)."""
+    return " ".join(["vlmq", *map(shlex.quote, [*sys.argv[1:], *extra])])
 
 
 def _echo_progress(text: str) -> None:
@@ -187,9 +195,42 @@ def submit(
             raise click.ClickException("--dry-run reads a local file")
         _dry_run(Path(input_path), as_json, allow_outside)
         return
-    client = _client()
     job_id = job_name or uuid.uuid4().hex
     click.echo(job_id)
+    # The same file under the same job id resumes the job (what was enqueued is skipped).
+    again = _this_command() if job_name else _this_command("--job", job_id)
+    with reported(again, f"job {job_id} is safe (what was enqueued stays enqueued and runs)"):
+        _submit(
+            input_path,
+            job_id,
+            job_name,
+            priority,
+            completion_window,
+            webhook,
+            processes,
+            allow_outside,
+            wait,
+            output,
+            errors,
+            fmt,
+        )
+
+
+def _submit(
+    input_path: str,
+    job_id: str,
+    job_name: str | None,
+    priority: str,
+    completion_window: str,
+    webhook: str | None,
+    processes: int,
+    allow_outside: bool,
+    wait: bool,
+    output: Path | None,
+    errors: Path | None,
+    fmt: str,
+) -> None:
+    client = _client()
     staged: dict[str, StagingProgress] = {}  # the stager's latest snapshot, shown with lines
 
     def keep(progress: StagingProgress) -> None:
@@ -294,6 +335,11 @@ def _dry_run(input_path: Path, as_json: bool, allow_outside: bool = False) -> No
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(identifier: str, as_json: bool) -> None:
     """Counts per state, rate and ETA of a job, or the status of one task."""
+    with reported(_this_command(), "nothing was changed"):
+        _status(identifier, as_json)
+
+
+def _status(identifier: str, as_json: bool) -> None:
     client = _client()
     if client.state.jobs.exists(identifier):
         data: dict[str, Any] = {"kind": "job", **job_summary(client, identifier)}
@@ -351,21 +397,22 @@ def results(
 ) -> None:
     """Write a job's finished lines, in the order they finished, into JSONL files (a running
     job's too: the lines finished so far, and how many are still to come)."""
-    client = _client()
-    if not client.state.jobs.exists(job_id):
-        raise click.ClickException(f"unknown job {job_id}")
-    paths = [output] if errors is None else [output, errors]
-    if follow:
-        _follow(client, job_id, paths, fmt, after, poll_s)
-        return
-    with ExitStack() as stack:
-        writer = Sinks(stack, paths, None).writer(fmt)
-        position, complete = read_once(client, job_id, writer, after or 0)
-    click.echo(
-        f"{writer.ok:,} results -> {output}; {writer.failed:,} errors -> {errors or output}",
-        err=True,
-    )
-    _echo_position(client, job_id, position, complete)
+    with reported(_this_command(), f"job {job_id} is safe (its results stay stored)"):
+        client = _client()
+        if not client.state.jobs.exists(job_id):
+            raise click.ClickException(f"unknown job {job_id}")
+        paths = [output] if errors is None else [output, errors]
+        if follow:
+            _follow(client, job_id, paths, fmt, after, poll_s)
+            return
+        with ExitStack() as stack:
+            writer = Sinks(stack, paths, None).writer(fmt)
+            position, complete = read_once(client, job_id, writer, after or 0)
+        click.echo(
+            f"{writer.ok:,} results -> {output}; {writer.failed:,} errors -> {errors or output}",
+            err=True,
+        )
+        _echo_position(client, job_id, position, complete)
 
 
 def _echo_position(client: Client, job_id: str, position: int, complete: bool) -> None:
@@ -411,10 +458,11 @@ def _follow(
 def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
     """Prompt tokens (visual included), completion tokens, requests and model seconds per
     tenant (or of one job), by model and modality."""
-    client = _client()
     if job_id is not None:
         check_id("job id", job_id)
-    report = usage_report(client.redis, client.keys, tenants or None, job_id)
+    with reported(_this_command(), "nothing was changed"):
+        client = _client()
+        report = usage_report(client.redis, client.keys, tenants or None, job_id)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return
@@ -438,6 +486,7 @@ def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
 @click.argument("identifier", metavar="JOB_OR_TASK_ID")
 def cancel(identifier: str) -> None:
     """Cancel queued tasks of a job (or one task); running ones finish."""
-    cancelled = _client().cancel(identifier)
+    with reported(_this_command(), "what was cancelled stays cancelled; nothing else changed"):
+        cancelled = _client().cancel(identifier)
     click.echo(f"cancelled {cancelled:,} queued tasks")
     sys.exit(0)

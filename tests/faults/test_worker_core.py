@@ -36,6 +36,20 @@ def test_leases_follow_redis_clock_under_skew(harness: Harness) -> None:
     assert {"ahead", "behind"} <= set(figures["by_worker"])
 
 
+@pytest.mark.skipif(faketime_library() is None, reason="libfaketime: apt-get install faketime")
+def test_a_worker_whose_renewals_stall_stops_pulling(harness: Harness) -> None:
+    """Issue 38: a worker 20 s ahead with its monotonic clock shifted renews nothing (its
+    heartbeat's timed wait never returns); it sees the stall on Redis's clock and stops
+    pulling, so nothing it pulled lapses and runs again. The full drill (60 tasks):
+    ``python -m bench.faults --suite core``."""
+    # Batches of 2 s against 3 s leases: on b0b2365 the stalled worker's prefetched batch
+    # lapsed and ran twice (4 of 16).
+    figures = worker_core.renewal_stall(harness, tasks=16, lease_s=3, delay_s=2.0)
+    _all_done_once(figures, 16)
+    assert figures["duplicate_executions"] == 0, figures
+    assert figures["delivered_twice"] == 0, figures
+
+
 def test_a_holder_cut_off_past_its_lease_is_fenced_out(harness: Harness) -> None:
     figures = worker_core.cut_off_holder(harness, tasks=16)
     _all_done_once(figures, 16)

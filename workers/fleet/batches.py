@@ -28,6 +28,7 @@ class PulledBatch:
     alone: list[Work] = field(default_factory=list)  # prepared alone, later (Planned.unprepared)
     media_bytes: int = 0
     left: int = 0  # micro-batches not yet through generate
+    pulled_at: float = 0.0  # Redis's time at its first pull: its leases run from then
 
 
 @dataclass

@@ -153,6 +153,15 @@ class WorkerMetrics(LoopObserver):
             "transformers' generate",
             [],
         )
+        self.renewals_stalled_now = Gauge(
+            "vlmq_renewals_stalled",
+            "1 while this worker's lease renewals are stalled (it pulls nothing meanwhile)",
+            [],
+            registry=registry,
+        )
+        self.renewal_stalls = counter(
+            "vlmq_renewal_stalls", "Times this worker's lease renewals stalled", []
+        )
         self._cache_seen = (0, 0, 0)
         self._busy_seen: dict[str, float] = {}
         self._wall_seen = 0.0
@@ -206,6 +215,11 @@ class WorkerMetrics(LoopObserver):
 
     def media_loads(self, modality: str, source: str, count: int) -> None:
         self.media_load_count.labels(modality, source).inc(count)
+
+    def renewals_stalled(self, stalled: bool) -> None:
+        self.renewals_stalled_now.set(1 if stalled else 0)
+        if stalled:
+            self.renewal_stalls.inc()
 
     def superseded(self, task_ids: Sequence[str]) -> None:
         self.superseded_results.inc(len(task_ids))

@@ -69,6 +69,10 @@ class LoopObserver:
         """Media loaded for a task: ``source`` decoded (fetched and decoded here),
         frame_store (read back prepared) or cache (this worker's own media cache)."""
 
+    def renewals_stalled(self, stalled: bool) -> None:
+        """This worker's lease renewals stalled (True: it pulls nothing until they resume)
+        or resumed (False); ``renewals.py``."""
+
     def close(self) -> None:
         """The worker stops."""
 
@@ -126,6 +130,9 @@ class Observers(LoopObserver):
 
     def media_loads(self, modality: str, source: str, count: int) -> None:
         self._each("media_loads", modality, source, count)
+
+    def renewals_stalled(self, stalled: bool) -> None:
+        self._each("renewals_stalled", stalled)
 
     def close(self) -> None:
         self._each("close")

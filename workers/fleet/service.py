@@ -42,6 +42,7 @@ from vlmq.workers.fleet.loop import BatchLoop, LoopParts
 from vlmq.workers.fleet.metrics import WorkerMetrics
 from vlmq.workers.fleet.observer import LoopObserver, Observers
 from vlmq.workers.fleet.prepare_tier import PrepareLoop, PrepareParts, model_targets
+from vlmq.workers.fleet.renewals import Renewals, redis_time
 from vlmq.workers.fleet.settle import Settler, settle_wait
 from vlmq.workers.fleet.triage import Triage
 from vlmq.workers.fleet.webhooks import WebhookSender
@@ -112,6 +113,7 @@ def compose_loop(
         prepare_pool=ThreadPoolExecutor(2 * threads, thread_name_prefix="prepare"),
         collate_pool=ThreadPoolExecutor(threads, thread_name_prefix="collate"),
         clock=StageClock(),
+        renewals=Renewals(lambda: redis_time(redis), fleet.lease_s, observer),
     )
     return BatchLoop(fleet, settings.worker, settings.batch, worker, parts)
 

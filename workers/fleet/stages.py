@@ -30,6 +30,7 @@ from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
+from vlmq.workers.fleet.renewals import Renewals
 from vlmq.workers.fleet.settle import Settler
 from vlmq.workers.fleet.suspects import isolate
 from vlmq.workers.fleet.triage import Triage
@@ -55,6 +56,7 @@ class LoopParts:
     prepare_pool: ThreadPoolExecutor
     collate_pool: ThreadPoolExecutor
     clock: StageClock
+    renewals: Renewals
 
 
 class Stages:
@@ -83,7 +85,11 @@ class Stages:
 
     def pull_next(self) -> PulledBatch | None:
         """Pull the next class's batch (classes take turns), admit it and hand its requests
-        to the prepare pool; None when every class is empty."""
+        to the prepare pool; None when every class is empty, or while this worker's lease
+        renewals are stalled (it could not hold what it pulled: ``renewals.py``; until its
+        first renewal lands, it pulls only while it holds nothing)."""
+        if not self.parts.renewals.may_pull(holding=len(self.parts.held) > 0):
+            return None
         order = self.modalities[self._turn :] + self.modalities[: self._turn]
         self._turn = (self._turn + 1) % len(self.modalities)
         for modality in order:
@@ -103,7 +109,7 @@ class Stages:
         # (suspects.py), on the model's thread, after its batch-mates are settled.
         fresh, alone = isolate(works, self.fleet)
         futures = [self.parts.prepare_pool.submit(self._prepare, w) for w in fresh]
-        return PulledBatch(modality, fresh, futures, alone=alone)
+        return PulledBatch(modality, fresh, futures, alone=alone, pulled_at=pull.now)
 
     def _prepare(self, work: Work) -> Prepared:
         assert work.request is not None
@@ -124,12 +130,13 @@ class Stages:
         policy = self.policies[modality]
         intake = self.parts.intakes[modality]
         first = self._pull(intake, policy.max_batch_size)
+        # Redis's time at the first pull: what the batch holds is leased from then at least.
         got, dropped, now = list(first.deliveries), first.dropped, first.now
         deadline = time.monotonic() + policy.max_wait_s
         while got and len(got) < policy.max_batch_size and time.monotonic() < deadline:
             more = self._pull(intake, policy.max_batch_size - len(got))
             got += more.deliveries
-            dropped, now = dropped + more.dropped, more.now
+            dropped = dropped + more.dropped
             if not more.deliveries:
                 time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
         return Pull(got, now, dropped)
@@ -200,6 +207,11 @@ class Stages:
         """Start a micro-batch (→ running, fenced; one attempt each) right before it goes into
         the engine; None when none of it is still to run."""
         parts = self.parts
+        if not parts.renewals.holds(planned.pulled.pulled_at):
+            # Renewals stalled and its leases lapse soon: back to the queue, for a worker
+            # that renews (a clean return, not a death).
+            self.give_back([w.task_id for w in planned.works])
+            return None
         if planned.suspect and not parts.settler.drain(self.fleet.suspect_drain_timeout_s):
             # Settle batch-mates before a risky run; the wait has its own bound, apart from
             # the engine call's time limit.

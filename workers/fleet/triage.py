@@ -7,7 +7,8 @@ died ``max_unstarted_deliveries`` times before starting it, or ``max_deliveries`
 was prepared alone (``suspects.py``: only deaths count), is dead-lettered before its message is
 decoded (its headers are read around its body, for a Celery caller). A task past its expiry (on
 Redis's clock) is expired; one that ran ``max_deliveries`` times without finishing (its worker
-died each time) is dead-lettered. ``start`` checks expiry again and moves a micro-batch to
+died each time) is dead-lettered, unless its last run was this very live process's (its lease
+lapsed while it ran: ``_outlived_here``). ``start`` checks expiry again and moves a micro-batch to
 ``running`` in one fenced script call, counting each an attempt; a task cancelled or expired
 while it waited in the pipeline, or delivered to someone else since, is let go instead.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +65,8 @@ __all__ = [
 INVALID_PREFIX = "invalid-"
 # A dead letter keeps the head of its message (enough to see what it was), not all of it.
 DEAD_LETTER_MESSAGE_CHARS = 4096
+# Task ids a worker remembers starting (for ``_outlived_here``): ~10 MB at most.
+STARTED_HERE_KEPT = 100_000
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,8 @@ class Triage:
         self.worker = worker
         self.model = model
         self.fleet = fleet
+        # The tasks this process started lately (bounded; oldest forgotten first).
+        self._started_here: OrderedDict[str, None] = OrderedDict()
 
     def admit(self, pull: Pull) -> list[Work]:
         """The pulled work that may run (still queued); everything else is settled."""
@@ -159,13 +165,32 @@ class Triage:
         if self._expired(item, now):
             self.fail(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
             return False
-        if item.attempts >= self.fleet.max_deliveries:
+        if item.attempts >= self.fleet.max_deliveries and not self._outlived_here(item):
             reason = (
                 f"ran {item.attempts} times without finishing (limit "
                 f"{self.fleet.max_deliveries}); its worker died each time"
             )
             self._dead_letter(item, DeadLettered(reason))
             return False
+        return True
+
+    def _outlived_here(self, item: Work) -> bool:
+        """Whether the task's last run was this very process's, which is alive: its lease
+        lapsed while it ran (a starved host, a stalled heartbeat), and nothing died. Such a
+        run is not evidence of a poison request (issue 38: a valid row dead-lettered on a
+        loaded CPU), so the task runs again. A run by another worker, or by an earlier
+        process under this name (a supervisor's restart after a crash), still counts."""
+        if item.task_id not in self._started_here:
+            return False
+        (last,) = self.state.tasks.many([item.task_id], ("worker",))
+        if last.get("worker") != self.worker:
+            return False
+        log.warning(
+            "task %s ran %d times without finishing, its last run here, this worker alive "
+            "(its lease lapsed: a starved host?); running it again, not dead-lettering",
+            item.task_id,
+            item.attempts,
+        )
         return True
 
     @staticmethod
@@ -213,6 +238,11 @@ class Triage:
             # else: delivered to another holder since; that holder has it now
         self.state.leases.ack(ended)
         running = {item.task_id for item in started}
+        for task_id in running:
+            self._started_here[task_id] = None
+            self._started_here.move_to_end(task_id)
+        while len(self._started_here) > STARTED_HERE_KEPT:
+            self._started_here.popitem(last=False)
         self.held.release(item.task_id for item in live if item.task_id not in running)
         self.observer.started([item.task_id for item in started])
         return started

@@ -46,7 +46,9 @@ class Watchdog:
         if self.stuck() is not None:
             return False
         parts = self.parts
+        began = parts.renewals.renewing()
         lost = parts.held.renew(parts.state.leases, self.fleet.lease_s)
+        parts.renewals.renewed(began)
         if lost:
             log.warning("lost the leases of %d tasks", lost)
         try:

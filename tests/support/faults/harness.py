@@ -56,11 +56,19 @@ time.sleep = _sleep
 """
 
 
-def faketime(offset_s: float, shim_dir: Path) -> dict[str, str]:
-    """Environment that runs a process with its wall clock ``offset_s`` seconds off."""
+def faketime(offset_s: float, shim_dir: Path, monotonic: bool = False) -> dict[str, str]:
+    """Environment that runs a process with its wall clock ``offset_s`` seconds off; with
+    ``monotonic``, its monotonic clock too, and no shim: every timed wait of a lock or event
+    in it then hangs (above), as a heartbeat thread does on a host whose clock jumped."""
     lib = faketime_library()
     if lib is None:
         raise RuntimeError("libfaketime is not installed (apt-get install faketime)")
+    if monotonic:
+        return {
+            "LD_PRELOAD": lib,
+            "FAKETIME": f"{offset_s:+.0f}s",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "0",
+        }
     shim_dir.mkdir(parents=True, exist_ok=True)
     (shim_dir / "sitecustomize.py").write_text(_SLEEP_SHIM, encoding="utf-8")
     return {
@@ -152,9 +160,10 @@ class Harness:
         }
 
     # workers -----------------------------------------------------------------
-    def skewed(self, offset_s: float) -> dict[str, str]:
-        """Environment for a worker whose wall clock is ``offset_s`` seconds off."""
-        return faketime(offset_s, self.workdir / "faketime")
+    def skewed(self, offset_s: float, monotonic: bool = False) -> dict[str, str]:
+        """Environment for a worker whose wall clock (and with ``monotonic``, its monotonic
+        clock) is ``offset_s`` seconds off."""
+        return faketime(offset_s, self.workdir / "faketime", monotonic)
 
     def redis_proxy(self) -> Proxy:
         """A breakable TCP path to Redis: a worker given ``VLMQ_REDIS_URL=proxy.redis_url``

@@ -33,6 +33,7 @@ __all__ = [
     "malformed_messages",
     "redis_full",
     "redis_read_only",
+    "renewal_stall",
     "settle_errors",
     "time_limit_per_engine_call",
     "webhook_sender_dies",
@@ -91,6 +92,36 @@ def clock_skew(
         "held_by_the_killed_worker": len(held),
         "recovery_s": round(recovery, 2),
         "by_worker": dict(Counter(s.get("worker") for s in statuses)),
+    }
+
+
+def renewal_stall(
+    h: Harness, tasks: int = 60, lease_s: float = 6.0, delay_s: float = 2.0, skew_s: float = 20.0
+) -> dict[str, Any]:
+    """Two noop workers with short leases; one runs ``skew_s`` ahead with its monotonic clock
+    shifted too, so its heartbeat thread's timed wait never returns and it renews nothing
+    (issue 38: 9 of 60 tasks ran twice, the stalled worker pulling on). Expected: the stalled
+    worker sees its stall on Redis's clock and stops pulling, so every task is delivered once."""
+    env = {
+        "VLMQ_FLEET__LEASE_S": str(lease_s),
+        "VLMQ_FLEET__REAP_INTERVAL_S": "0.5",
+        "VLMQ_BATCH": batch_policy(4),
+    }
+    # The work waits before the workers start: the stalled one pulls at once (an idle poll's
+    # timed wait would hang it before it pulled anything).
+    job, ids = h.submit_text(tasks)
+    stalled = h.noop_worker("stalled", delay_s, **env, **h.skewed(skew_s, monotonic=True))
+    h.noop_worker("on-time", delay_s, **env)
+    h.wait_job(job, timeout=max(60.0, tasks * delay_s))
+    statuses = h.client.state.tasks.many(ids, ("worker",))
+    stall_logged = "lease renewals stalled" in h.logs[stalled.pid].read_text(errors="replace")
+    return {
+        **_delivery_figures(h, job, ids),
+        "lease_s": lease_s,
+        "skew_s": skew_s,
+        "delivered_twice": sum(d > 1 for d in _deliveries(h, ids)),
+        "by_worker": dict(Counter(s.get("worker") for s in statuses)),
+        "stall_logged": stall_logged,
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceTimer"]
+__all__ = ["DeviceTimer", "device_name"]
 
 
 class DeviceTimer:
@@ -67,3 +67,10 @@ class DeviceTimer:
 
     def total(self, *kinds: str) -> float:
         return sum(self.seconds.get(k, 0.0) for k in kinds)
+
+
+def device_name() -> str:
+    """The GPU's name (the first CUDA device's), or 'cpu' when there is none."""
+    if torch.cuda.is_available():
+        return str(torch.cuda.get_device_name(0))
+    return "cpu"

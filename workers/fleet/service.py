@@ -27,12 +27,14 @@ from redis import Redis, RedisError
 from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
 from vlmq.broker.feeding import Feeder
 from vlmq.broker.state import State
+from vlmq.config.cost import Pricing
 from vlmq.config.errors import ConfigError
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.settings import FleetSettings, Settings
 from vlmq.stores.base import ObjectStore
 from vlmq.stores.urls import open_store
+from vlmq.workers.engine.gputime import device_name
 from vlmq.workers.engine.interface import as_generation_engine
 from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.events import TaskEvents
@@ -112,6 +114,7 @@ def compose_loop(
         prepare_pool=ThreadPoolExecutor(2 * threads, thread_name_prefix="prepare"),
         collate_pool=ThreadPoolExecutor(threads, thread_name_prefix="collate"),
         clock=StageClock(),
+        pricing=Pricing.of(settings.cost, device_name()),
     )
     return BatchLoop(fleet, settings.worker, settings.batch, worker, parts)
 
@@ -342,6 +345,8 @@ class WorkerService:
             "engine": _engine_stats(self.loop.engine.stats)
             if isinstance(self.loop, BatchLoop)
             else {},
+            # Its GPU and what an hour of it costs (each result's cost is priced with it).
+            "cost": self.loop.parts.pricing.record() if isinstance(self.loop, BatchLoop) else None,
         }
         # A worker silent for this many leases died without a clean stop (its work was
         # redelivered after one): its record goes.

@@ -107,6 +107,9 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
     for totals in (job_usage, tenant["totals"]):
         assert {k: totals[k] for k in expected} == expected
         assert totals["model_seconds"] > 0
+        # GPU time charged per result (real engine: measured, split by tokens) sums exactly.
+        assert totals["gpu_us"] == sum(r["cost"]["gpu_us"] for r in records) > 0
+        assert totals["cost_ucents"] == sum(r["cost"]["ucents"] for r in records)
     assert tenant["tenant"] == "default" and {r["tenant"] for r in records} == {"default"}
 
 

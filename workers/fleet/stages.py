@@ -151,6 +151,7 @@ class Stages:
                     ready.append((work, item))
                 else:
                     failed.append(result_settlement(work, self._rejected(item), self.worker))
+            charge([s.record for s in failed], self.parts.pricing)  # nothing ran: 0
             for settlement in failed:
                 self._report(settlement.record)
             self.parts.settler.submit_many(failed)
@@ -239,6 +240,7 @@ class Stages:
         prepared = self._prepare(work)
         if prepared.error is not None:
             settlement = result_settlement(work, self._rejected(prepared), self.worker)
+            charge([settlement.record], self.parts.pricing)  # nothing ran: 0
             self._report(settlement.record)
             self.parts.settler.submit_many([settlement])
             return False

@@ -34,7 +34,6 @@ from vlmq.config.keys import Keys
 from vlmq.config.settings import FleetSettings, Settings
 from vlmq.stores.base import ObjectStore
 from vlmq.stores.urls import open_store
-from vlmq.workers.engine.gputime import device_name
 from vlmq.workers.engine.interface import as_generation_engine
 from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.events import TaskEvents
@@ -114,9 +113,17 @@ def compose_loop(
         prepare_pool=ThreadPoolExecutor(2 * threads, thread_name_prefix="prepare"),
         collate_pool=ThreadPoolExecutor(threads, thread_name_prefix="collate"),
         clock=StageClock(),
-        pricing=Pricing.of(settings.cost, device_name()),
+        pricing=Pricing.of(settings.cost, _gpu_name()),
     )
     return BatchLoop(fleet, settings.worker, settings.batch, worker, parts)
+
+
+def _gpu_name() -> str:
+    """The GPU's name for the worker record (imported here: a prepare worker runs without
+    torch, and only a model worker prices its time)."""
+    from vlmq.workers.engine.gputime import device_name
+
+    return device_name()
 
 
 def compose_prepare_loop(

@@ -419,6 +419,8 @@ class Result(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict)
     worker: str | None = None
     tenant: str | None = None  # who the task belongs to (the fleet sets it when it settles)
+    # Its GPU time and cost (config/cost.py Pricing.charge), set by the fleet when it settles.
+    cost: dict[str, Any] | None = None
     # With n > 1 or logprobs: every completion (choices[0] is ``output``).
     choices: list[Choice] | None = None
     # With a JSON constraint: ``output`` parsed (None when it did not finish, e.g. length).

@@ -18,6 +18,7 @@ __all__ = [
     "ApiSettings",
     "BatchPolicy",
     "CelerySettings",
+    "CostSettings",
     "EngineSettings",
     "FleetSettings",
     "FrameStoreSettings",
@@ -881,6 +882,30 @@ class MetricsSettings(BaseModel):
     )
 
 
+class CostSettings(BaseModel):
+    """What a worker's GPU time costs, recorded with every result (docs/operations.md, Cost)."""
+
+    gpu_hour_price: float = Field(
+        0.0,
+        ge=0,
+        examples=[2.5],
+        description="Price of one GPU-hour of this worker, in currency units (2.5: 2.50 per "
+        "hour). 0: results record their GPU-seconds at no cost.",
+    )
+    currency: str = Field(
+        "USD",
+        pattern=r"^[A-Z]{3}$",
+        description="ISO 4217 code of gpu_hour_price; usage sums cost across workers that "
+        "share one currency.",
+    )
+    gpu_name: str | None = Field(
+        None,
+        examples=["NVIDIA H100 80GB HBM3"],
+        description="The GPU's name in the worker record and each result's cost. Unset: "
+        "the CUDA device's name when there is one, else 'cpu'.",
+    )
+
+
 class TenantQuota(BaseModel):
     """One tenant's limits (None: unlimited / the API's default rate)."""
 
@@ -1016,6 +1041,10 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(
         default_factory=MetricsSettings,
         description="A worker's Prometheus /metrics endpoint.",
+    )
+    cost: CostSettings = Field(
+        default_factory=CostSettings,
+        description="What a worker's GPU time costs (per result, in vlmq usage).",
     )
     celery: CelerySettings = Field(
         default_factory=CelerySettings,

@@ -359,6 +359,13 @@ def _status(identifier: str, as_json: bool) -> None:
         click.echo(f"  failed validation: {data['validation_error']}")
     eta = f", ETA {data['eta_s']:.0f}s" if data.get("eta_s") else ""
     click.echo(f"  rate {data['rate_per_s']:.2f}/s{eta}")
+    cost = data.get("cost")
+    if cost:
+        click.echo(
+            f"  cost so far {cost['cost']} {cost['currency']} for {cost['requests']:,} "
+            f"requests ({cost['gpu_seconds']:.1f} GPU s), "
+            f"{cost['per_1000_requests']} {cost['currency']} per 1,000 requests"
+        )
 
 
 @click.command("results")
@@ -456,13 +463,14 @@ def _follow(
 @click.option("--job", "job_id", default=None, help="One job's usage instead.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
-    """Prompt tokens (visual included), completion tokens, requests and model seconds per
-    tenant (or of one job), by model and modality."""
+    """Prompt tokens (visual included), completion tokens, requests, model seconds, GPU
+    seconds and cost per tenant (or of one job), by model and modality, and per model."""
     if job_id is not None:
         check_id("job id", job_id)
     with reported(_this_command(), "nothing was changed"):
         client = _client()
-        report = usage_report(client.redis, client.keys, tenants or None, job_id)
+        currency = client.settings.cost.currency
+        report = usage_report(client.redis, client.keys, tenants or None, job_id, currency)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return
@@ -472,13 +480,22 @@ def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
         click.echo(
             f"{section.get('tenant') or 'job ' + str(job_id)}: {totals['requests']:,} requests, "
             f"{totals['prompt_tokens']:,} prompt + {totals['completion_tokens']:,} completion "
-            f"tokens, {totals['model_seconds']:.1f} model s"
+            f"tokens, {totals['model_seconds']:.1f} model s, {totals['gpu_seconds']:.1f} GPU s, "
+            f"{totals['cost']} {currency}"
         )
         for row in section["by"]:
             click.echo(
                 f"  {row['model']} {row['modality']}: {row['requests']:,} requests, "
                 f"{row['prompt_tokens']:,} + {row['completion_tokens']:,} tokens, "
-                f"{row['model_seconds']:.1f} s"
+                f"{row['model_seconds']:.1f} s, {row['gpu_seconds']:.1f} GPU s, "
+                f"{row['cost']} {currency}"
+            )
+    if job_id is None and report["models"]:
+        click.echo("per model:")
+        for row in report["models"]:
+            click.echo(
+                f"  {row['model']}: {row['requests']:,} requests, "
+                f"{row['gpu_seconds']:.1f} GPU s, {row['cost']} {currency}"
             )
 
 

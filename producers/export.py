@@ -14,6 +14,8 @@ from itertools import islice
 from typing import Any
 
 from vlmq.broker.feeding import FeedLine
+from vlmq.broker.state.usage import usage_report
+from vlmq.config.cost import cents, per_thousand
 from vlmq.config.status import TERMINAL, JobState
 from vlmq.producers.client import Client
 from vlmq.stores.base import result_location
@@ -24,6 +26,7 @@ __all__ = [
     "iter_line_errors",
     "iter_never_fed",
     "iter_results",
+    "job_cost",
     "job_summary",
 ]
 
@@ -47,6 +50,24 @@ def job_summary(client: Client, job_id: str) -> dict[str, Any]:
         "errors": errors,
         "rate_per_s": round(rate, 3),
         "eta_s": round(remaining / rate, 1) if rate > 0 and remaining > 0 else None,
+        "cost": job_cost(client, job_id),
+    }
+
+
+def job_cost(client: Client, job_id: str) -> dict[str, Any]:
+    """What a job's settled results cost so far (its usage counters): GPU seconds, the cost
+    (exact micro-cents, and to the cent) and the cost per 1,000 requests."""
+    currency = client.settings.cost.currency
+    totals = usage_report(client.redis, client.keys, job_id=job_id, currency=currency)["totals"]
+    thousand = per_thousand(totals["cost_ucents"], totals["requests"])
+    return {
+        "currency": currency,
+        "requests": totals["requests"],
+        "gpu_seconds": totals["gpu_seconds"],
+        "cost_ucents": totals["cost_ucents"],
+        "cost": totals["cost"],
+        "per_1000_requests_ucents": thousand,
+        "per_1000_requests": cents(thousand),
     }
 
 

@@ -29,18 +29,20 @@ def get_usage(
     ctx: ApiContext = Depends(context),
     caller: Caller = Depends(caller_of),
 ) -> dict[str, Any]:
-    """Prompt tokens (visual included), completion tokens, requests and model seconds, by
-    model and modality: ``{"tenants": [{"tenant", "totals", "by": [...]}]}``, or with
-    ``job_id`` ``{"job_id", "totals", "by"}``."""
+    """Prompt tokens (visual included), completion tokens, requests, model seconds, GPU
+    seconds and cost (``cost`` to the cent, ``cost_ucents`` exact, in ``currency``), by model
+    and modality and per model: ``{"tenants": [{"tenant", "totals", "by", "models"}],
+    "models"}``, or with ``job_id`` ``{"job_id", "totals", "by", "models"}``."""
     client = ctx.client
+    currency = client.settings.cost.currency
     if job_id is not None:
         if not valid_id(job_id) or not client.state.jobs.exists(job_id):
             raise ApiError(404, "not_found", "no such job")
         if not caller.admin and client.state.jobs.tenant(job_id) != caller.tenant:
             raise ApiError(404, "not_found", "no such job")
-        return usage_report(client.redis, client.keys, job_id=job_id)
+        return usage_report(client.redis, client.keys, job_id=job_id, currency=currency)
     if caller.admin:
-        return usage_report(client.redis, client.keys, tenant or None)
+        return usage_report(client.redis, client.keys, tenant or None, currency=currency)
     if tenant and set(tenant) != {caller.tenant}:
         raise ApiError(404, "not_found", "no such tenant")
-    return usage_report(client.redis, client.keys, [caller.tenant])
+    return usage_report(client.redis, client.keys, [caller.tenant], currency=currency)

@@ -51,6 +51,9 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
         fleet.start("--modality", modality, "--name", f"{modality}-worker", env=env)
     client = _client(fleet_env)
     wait_until(lambda: _ready(client, 3), timeout=120, what="3 workers")
+    # Each worker record names its GPU and price (no CUDA here: 'cpu'; no price set: 0).
+    for record in client.state.workers.all().values():
+        assert record["cost"] == {"gpu": "cpu", "gpu_hour_price": 0.0, "currency": "USD"}
     image = {"type": "image", "image": str(tmp_path / "a.png")}
     video = {"type": "video", "video": str(tmp_path / "v.mp4")}
     items = (
@@ -107,6 +110,9 @@ def test_mixed_submission_end_to_end_through_s3(fleet, fleet_env, tiny_model, tm
     for totals in (job_usage, tenant["totals"]):
         assert {k: totals[k] for k in expected} == expected
         assert totals["model_seconds"] > 0
+        # GPU time charged per result (real engine: measured, split by tokens) sums exactly.
+        assert totals["gpu_us"] == sum(r["cost"]["gpu_us"] for r in records) > 0
+        assert totals["cost_ucents"] == sum(r["cost"]["ucents"] for r in records)
     assert tenant["tenant"] == "default" and {r["tenant"] for r in records} == {"default"}
 
 

@@ -41,6 +41,8 @@ REQUIRED = {
     "vlmq_model_seconds_total",  # per-tenant usage
     "vlmq_prepare_backlog",
     "vlmq_media_loads_total",
+    "vlmq_gpu_seconds_total",  # cost per result (issue 39)
+    "vlmq_cost_total",
 }
 
 _SUFFIXES = {

@@ -170,10 +170,18 @@ def test_the_loop_in_flight_refills_slots_and_gives_the_same_tokens(
     to the next micro-batch's rows while the others decode, and each row decodes as its
     micro-batch did in generate."""
     engine.set_decode(mode="loop", inflight=True, slots=8, admit_rows=4, sync_every=3)
+    timer = engine.decoder.timer
+    kinds = ("prefill", "decode", "decode_eager")
+    spans_before = timer.total(*kinds)
     results = _run(engine, every_control(media))
     _check_all(reference_by_four, results, NEAR_TIES)
     stats = engine.decoder.stats
     assert stats.admitted_rows == stats.finished_rows == 18
+    # Each request's cost is charged by its share of the device's own time (on the CPU the
+    # device is the host: a span is its work's wall time): the shares split the spans whole.
+    shares = [r.timings["gpu_s"] for r in results.values()]
+    assert all(s > 0 for s in shares)
+    assert abs(sum(shares) - (timer.total(*kinds) - spans_before)) < 1e-4
     assert stats.useful_steps <= stats.row_steps
     batches = {r.batch_id for r in results.values()}
     assert len(batches) >= 5  # micro-batches of at most four rows

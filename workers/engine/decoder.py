@@ -36,7 +36,7 @@ import torch
 
 from vlmq.workers.engine.constraints import SlotConstraints
 from vlmq.workers.engine.decode_model import DecodeModel, Prefilled
-from vlmq.workers.engine.gputime import DeviceTimer
+from vlmq.workers.engine.gputime import DeviceTimer, RowShares
 from vlmq.workers.engine.graphs import StepRunner
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.engine.slot_controls import Features, RowSpec, SlotControls
@@ -112,6 +112,7 @@ class Finished:
     collate_s: float
     generate_s: float  # wall time from its admission to its end
     model_s: float  # its share of the device's work: prefill by prompt tokens, steps by rows
+    gpu_s: float = 0.0  # the same share of the device's own time (DeviceTimer spans)
 
 
 @dataclass
@@ -127,6 +128,8 @@ class _Entry:
     rows_left: int
     outputs: dict[int, RowOutput] = field(default_factory=dict)
     share_from: float = 0.0
+    gpu_s: float = 0.0  # its share of the device's own time (RowShares)
+    gpu_from: int = 0  # RowShares.steps at its admission
 
 
 @dataclass(eq=False)
@@ -184,6 +187,7 @@ class Decoder:
         self.device = device
         self.runner = runner
         self.timer = timer
+        self.shares = RowShares(timer)
         self.constraints = constraints
         self._decode = decode
         self.controls = SlotControls(slots, model.vocab, max_steps, list(eos_ids), device)
@@ -253,7 +257,8 @@ class Decoder:
         started = time.perf_counter()
         mark = self.timer.start("prefill")
         prefilled: Prefilled = self.model.prefill(inputs)
-        self.timer.stop(mark)
+        weights: list[tuple[_Entry, float]] = []  # its rows' shares, once _remember made them
+        self.shares.stop_prefill(mark, weights)
         self._ensure_cache(prefilled.layers, length + longest + self.sync_every + 1)
         slots = [heapq.heappop(self._free) for _ in admission.rows]
         index = torch.tensor(slots, device=self.device)
@@ -267,7 +272,7 @@ class Decoder:
             self._features = self._features | spec.features
         prefill_s = time.perf_counter() - started
         self._first_tokens(index, prefilled.logits)
-        self._remember(admission, slots, mask, length, prefill_s)
+        self._remember(admission, slots, mask, length, prefill_s, weights)
         self.stats.prefill_s += prefill_s
         self.stats.admitted_rows += len(slots)
         self.stats.prefills += 1
@@ -321,6 +326,7 @@ class Decoder:
         mask: torch.Tensor,
         length: int,
         prefill_s: float,
+        weights: list[tuple[_Entry, float]],
     ) -> None:
         real = mask.sum(dim=1).tolist()
         total = max(1, sum(real))
@@ -342,9 +348,11 @@ class Decoder:
                     model_s=0.0,
                     rows_left=0,
                     share_from=self._share,
+                    gpu_from=self.shares.steps,
                 )
             entry.rows_left += 1
             entry.model_s += prefill_s * real[r] / total
+            weights.append((entry, real[r] / total))
             spec = admission.specs[r]
             slot = slots[r]
             self._rows[slot] = _Row(entry, copy, spec, length, self._step, next(self._serials))
@@ -391,7 +399,7 @@ class Decoder:
             self._advance_matchers(rows)
         features = self._features
         self.runner.run(("controls", rows, features), lambda: self._controls(rows, features))
-        self.timer.stop(mark)
+        self.shares.stop_step(mark, self.busy_rows)
         self._after_controls(rows, None)
         self._step += 1
         if self.runner.enabled:
@@ -527,6 +535,7 @@ class Decoder:
         self._pending.difference_update(slots)
         outputs = self.controls.out.index_select(0, index).cpu().tolist()
         logprobs = self._logprobs(index)
+        self.shares.catch_up()  # the device is synced: every span so far reads at once
         finished: list[Finished] = []
         now = time.perf_counter()
         for i, slot in enumerate(slots):
@@ -543,6 +552,7 @@ class Decoder:
                 kept.logprobs = logprobs(i, count)
             entry = row.entry
             entry.model_s += self._share - entry.share_from
+            entry.gpu_s += self.shares.since(entry.gpu_from)
             entry.outputs[row.copy] = kept
             entry.rows_left -= 1
             self.stats.finished_rows += 1
@@ -552,6 +562,7 @@ class Decoder:
                 finished.append(self._finished(entry, now))
         self._after_release()
         self._compact()
+        self.shares.prune(row.entry.gpu_from for row in self._rows if row is not None)
         return finished
 
     def _compact(self) -> None:
@@ -621,6 +632,7 @@ class Decoder:
             collate_s=entry.collate_s,
             generate_s=now - entry.admitted_at,
             model_s=entry.model_s,
+            gpu_s=entry.gpu_s,
         )
 
     def _after_release(self) -> None:

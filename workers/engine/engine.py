@@ -494,6 +494,8 @@ class Engine(OneSlot):
         record["timings"]["collate_s"] = round(completion.collate_s, 4)
         if completion.model_s is not None:
             record["timings"]["model_s"] = round(completion.model_s, 6)
+        if completion.gpu_s is not None:  # measured: what its cost is charged by
+            record["timings"]["gpu_s"] = round(completion.gpu_s, 6)
         usage = Usage(
             prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens
         )

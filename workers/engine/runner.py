@@ -65,6 +65,7 @@ class Completion:
     generate_s: float
     collate_s: float = 0.0
     model_s: float | None = None  # its share of the device's work (the decode loop apportions)
+    gpu_s: float | None = None  # the same share of the device's own time (measured spans)
 
     @property
     def token_ids(self) -> list[int]:
@@ -288,6 +289,7 @@ class BatchRunner:
             generate_s=finished.generate_s,
             collate_s=finished.collate_s,
             model_s=finished.model_s,
+            gpu_s=finished.gpu_s,
         )
 
     def _check_context(self, items: Sequence[Prepared], attention_mask: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from vlmq.config.cost import UCENTS_PER_UNIT
 from vlmq.config.usage import TaskUsage
 from vlmq.workers.fleet.observer import LoopObserver
 
@@ -72,6 +73,17 @@ class WorkerMetrics(LoopObserver):
         self.generated_tokens = counter("vlmq_generated_tokens", "Tokens generated", usage_labels)
         self.model_seconds = counter(
             "vlmq_model_seconds", "Engine seconds, each task's share of its batch", usage_labels
+        )
+        # Cost per result (config/cost.py): GPU-seconds, and their cost in currency units.
+        self.gpu_seconds = counter(
+            "vlmq_gpu_seconds",
+            "GPU seconds charged to results (measured, else model seconds; split by tokens)",
+            ["model", *usage_labels],
+        )
+        self.cost = counter(
+            "vlmq_cost",
+            "Cost of results' GPU time, in currency units (VLMQ_COST__GPU_HOUR_PRICE)",
+            ["model", *usage_labels, "currency"],
         )
         self.stage = histogram(
             "vlmq_stage_seconds", "Latency per pipeline stage", ["stage", "modality"], _SECONDS
@@ -187,6 +199,14 @@ class WorkerMetrics(LoopObserver):
         self.prompt_tokens.labels(modality, tenant).inc(used.prompt_tokens)
         self.generated_tokens.labels(modality, tenant).inc(used.completion_tokens)
         self.model_seconds.labels(modality, tenant).inc(used.model_s)
+        cost = record.get("cost")
+        if cost:
+            model = str(record.get("model") or "unknown")
+            self.gpu_seconds.labels(model, modality, tenant).inc(used.gpu_us / 1e6)
+            currency = str(cost.get("currency") or "")
+            self.cost.labels(model, modality, tenant, currency).inc(
+                used.cost_ucents / UCENTS_PER_UNIT
+            )
         if record.get("padding_ratio") is not None:
             self.padding.labels(modality).observe(record["padding_ratio"])
         timings = record.get("timings") or {}

@@ -27,6 +27,7 @@ from redis import Redis, RedisError
 from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
 from vlmq.broker.feeding import Feeder
 from vlmq.broker.state import State
+from vlmq.config.cost import Pricing
 from vlmq.config.errors import ConfigError
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
@@ -114,8 +115,17 @@ def compose_loop(
         collate_pool=ThreadPoolExecutor(threads, thread_name_prefix="collate"),
         clock=StageClock(),
         renewals=Renewals(lambda: redis_time(redis), fleet.lease_s, observer),
+        pricing=Pricing.of(settings.cost, _gpu_name()),
     )
     return BatchLoop(fleet, settings.worker, settings.batch, worker, parts)
+
+
+def _gpu_name() -> str:
+    """The GPU's name for the worker record (imported here: a prepare worker runs without
+    torch, and only a model worker prices its time)."""
+    from vlmq.workers.engine.gputime import device_name
+
+    return device_name()
 
 
 def compose_prepare_loop(
@@ -344,6 +354,8 @@ class WorkerService:
             "engine": _engine_stats(self.loop.engine.stats)
             if isinstance(self.loop, BatchLoop)
             else {},
+            # Its GPU and what an hour of it costs (each result's cost is priced with it).
+            "cost": self.loop.parts.pricing.record() if isinstance(self.loop, BatchLoop) else None,
         }
         # A worker silent for this many leases died without a clean stop (its work was
         # redelivered after one): its record goes.

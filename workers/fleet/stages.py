@@ -14,11 +14,12 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlmq.broker.state import State
 from vlmq.broker.state.intake import Intake, Pull
+from vlmq.config.cost import Pricing
 from vlmq.config.errors import GenerationFailed
 from vlmq.config.logs import log_context
 from vlmq.config.schemas import Result
@@ -26,6 +27,7 @@ from vlmq.config.settings import BatchPolicy, FleetSettings
 from vlmq.workers.engine.interface import Collated, GenerationEngine
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.fleet.batches import Begun, Planned, PulledBatch
+from vlmq.workers.fleet.charge import charge
 from vlmq.workers.fleet.clock import StageClock
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
@@ -57,6 +59,7 @@ class LoopParts:
     collate_pool: ThreadPoolExecutor
     clock: StageClock
     renewals: Renewals
+    pricing: Pricing = field(default_factory=Pricing)  # what its GPU time costs
 
 
 class Stages:
@@ -155,6 +158,7 @@ class Stages:
                     ready.append((work, item))
                 else:
                     failed.append(result_settlement(work, self._rejected(item), self.worker))
+            charge([s.record for s in failed], self.parts.pricing)  # nothing ran: 0
             for settlement in failed:
                 self._report(settlement.record)
             self.parts.settler.submit_many(failed)
@@ -248,6 +252,7 @@ class Stages:
         prepared = self._prepare(work)
         if prepared.error is not None:
             settlement = result_settlement(work, self._rejected(prepared), self.worker)
+            charge([settlement.record], self.parts.pricing)  # nothing ran: 0
             self._report(settlement.record)
             self.parts.settler.submit_many([settlement])
             return False
@@ -291,6 +296,8 @@ class Stages:
             settlement.record["timings"]["wait_s"] = begun.waited
             settlements.append(settlement)
             done.append(work)
+        charge([s.record for s in settlements], self.parts.pricing)
+        for settlement in settlements:
             self._report(settlement.record)
         self.parts.settler.submit_many(settlements)
         return done

@@ -37,9 +37,11 @@ end
 -- What settled tasks used, counted once per task in the step that settles it (a fenced-out
 -- holder's result counts nothing): per tenant (Keys.usage, the tenants in Keys.usage_tenants)
 -- and per job (Keys.job_usage, with the job's ttl), fields '<model>|<modality>|<metric>'.
-local USAGE_METRICS = {'prompt_tokens', 'completion_tokens', 'requests', 'model_us'}
+local USAGE_METRICS = {'prompt_tokens', 'completion_tokens', 'requests', 'model_us', 'gpu_us',
+                       'cost_ucents'}
 
--- Reads one task's usage from ARGV at `at`: '' (none) or dims then the four metrics.
+-- Reads one task's usage from ARGV at `at`: '' (none) or dims then the metrics (integers:
+-- config/usage.py METRICS, GPU microseconds and micro-cents included, so sums are exact).
 local function read_usage(at)
   if ARGV[at] == '' then return nil, at + 1 end
   local u = {dims = ARGV[at], values = {}}

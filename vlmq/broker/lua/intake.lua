@@ -373,6 +373,32 @@ function commands.give_back()
   end)
 end
 
+-- hand_back: a draining worker (preemption, SIGTERM: workers/fleet/drain.py) returns held
+-- messages, started or not, to the head of their queues now, so other workers take them at
+-- once instead of after lease plus reap (allow-oom; safe to repeat). Each is a return
+-- (returned); a started one's attempt is taken back (it was abandoned, not killed: it neither
+-- counts toward max_deliveries nor makes it a suspect that runs alone). The delivery is then
+-- void: its token is spent (the count moves on, the spent token counted a return too), so a
+-- late renew, start, settle or hand_on of this holder's is refused even before anyone pulls
+-- the task again. A started task keeps its 'running' state, as a reaped one does, until its
+-- next start. KEYS[1..5] bookkeeping. ARGV: task key prefix, then id, token pairs. Returns
+-- how many it returned.
+function commands.hand_back()
+  local prefix = ARGV[2]
+  return for_held(function(id, token)
+    if redis.call('HEXISTS', KEYS[1], id) == 0 then return 0 end
+    local key = prefix .. id
+    requeue(id, prefix)
+    returned(key, token)
+    if redis.call('HGET', key, 'started') == token then
+      if redis.call('HINCRBY', key, 'attempts', -1) <= 0 then redis.call('HDEL', key, 'attempts') end
+    end
+    redis.call('HINCRBY', key, 'deliveries', 1)
+    redis.call('HINCRBY', key, 'returns', 1)
+    return 1
+  end)
+end
+
 -- reap: put back messages whose holder stopped renewing (it died) (allow-oom; safe to
 -- repeat). KEYS[1..5] bookkeeping. ARGV: most to move, task key prefix.
 function commands.reap()

@@ -1,0 +1,153 @@
+"""A draining worker against a real Redis: ``hand_back`` (lua/intake.lua) returns held tasks,
+started or not, to the head of their queues in one call; the old holder is fenced out (a late
+start, renew or settle of its delivery is refused); a hand-back is a return, never a death
+(no dead letter, no run alone); and a loop's drain hands back what will not finish while
+another loop takes it at once, every task ending exactly once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from tests.support.services import wait_until
+from vlmq.broker.connection import create_redis
+from vlmq.broker.state.intake import Delivery
+from vlmq.broker.state.tasks import Move
+from vlmq.config.status import TaskState
+from vlmq.producers.client import Client
+from vlmq.stores.urls import open_store
+from vlmq.workers.fleet.loop import BatchLoop
+from vlmq.workers.fleet.service import compose_loop
+from vlmq.workers.fleet.work import Work
+
+
+def _named_loop(settings: Any, engine: Any, name: str) -> BatchLoop:
+    store = open_store(settings.results_url, settings.s3_endpoint_url)
+    return compose_loop(settings, ["text"], engine, name, create_redis(settings), store)
+
+
+def _text(n: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"line {n}"}]
+
+
+def _start(client: Client, deliveries: list[Delivery]) -> None:
+    moves = [
+        Move(d.task_id, TaskState.RUNNING, {"worker": "a"}, d.token, "started_at", True)
+        for d in deliveries
+    ]
+    assert all(m.moved for m in client.state.tasks.start(moves))
+
+
+def _ends(deliveries: list[Delivery]) -> list[Move]:
+    return [Move(d.task_id, TaskState.SUCCEEDED, {}, d.token, "finished_at") for d in deliveries]
+
+
+def test_handed_back_tasks_go_to_the_head_of_the_queue_and_the_old_holder_is_fenced(settings):
+    client = Client(settings)
+    first = [client.submit(_text(n)) for n in range(3)]
+    intake, leases, tasks = client.state.intake("text"), client.state.leases, client.state.tasks
+    held = intake.pull(3, 60).deliveries
+    _start(client, held[:2])  # two running, one prefetched
+    later = client.submit(_text(9))  # queued behind them
+    tokens = {d.task_id: d.token for d in held}
+    assert leases.hand_back(tokens) == 3
+    assert leases.hand_back(tokens) == 0  # safe to repeat: no longer held
+    # Late moves of the old holder's: refused, whether or not someone pulled the tasks again.
+    assert not any(m.held for m in tasks.settle(_ends(held)))
+    assert set(leases.renew(tokens, 60)) == set(tokens)  # lost to this holder
+    again = intake.pull(3, 60).deliveries
+    assert {d.task_id for d in again} == set(first)  # at the head: before the later task
+    assert later not in {d.task_id for d in again}
+    for d in again:
+        work = Work(d, status=dict(d.status))
+        # Not a death: no attempt kept, no prestart death, so it runs batched, not alone.
+        assert work.first_run, d.status
+        assert work.prestart_deaths == 0, d.status
+        assert d.token == tokens[d.task_id] + 2  # the old delivery's token is spent
+    assert not any(m.held for m in tasks.settle(_ends(held)))
+    _start(client, again)
+    won = tasks.settle(_ends(again))
+    assert all(m.held and m.moved for m in won)
+    for task in first:
+        status = tasks.get(task)
+        assert status["state"] == "succeeded" and status["attempts"] == "1", status
+
+
+def test_a_task_handed_back_many_times_is_never_dead_lettered(settings):
+    """More hand-backs, started and not, than both bounds on deaths: it still runs."""
+    client = Client(settings)
+    task = client.submit(_text(0))
+    intake, leases = client.state.intake("text"), client.state.leases
+    for n in range(6):
+        (delivery,) = wait_until(lambda: intake.pull(1, 60).deliveries, what="a delivery")
+        if n % 2:
+            _start(client, [delivery])
+        assert leases.hand_back({task: delivery.token}) == 1
+    engine = RecordingEngine()
+    loop = make_loop(settings, engine, max_deliveries=2, max_unstarted_deliveries=3)
+    with Running(loop):
+        wait_until(lambda: client.status(task)["state"] in ("succeeded", "failed"), what="end")
+    assert client.status(task)["state"] == "succeeded", client.status(task)
+    assert engine.ran == [task]
+    assert engine.batches == [1]
+
+
+def test_a_hand_back_with_a_stale_token_changes_nothing(settings):
+    client = Client(settings)
+    task = client.submit(_text(0))
+    leases = client.state.leases
+    (delivery,) = client.state.intake("text").pull(1, 60).deliveries
+    assert leases.hand_back({task: delivery.token + 1}) == 0
+    assert client.state.tasks.get(task)["deliveries"] == str(delivery.token)
+    assert leases.hand_back({task: delivery.token}) == 1
+
+
+def test_a_draining_loop_hands_back_its_running_batch_and_another_loop_runs_it_once(settings):
+    """Loop A is inside a slow engine call with nothing known of its engine time: its drain
+    hands the batch back at once; loop B runs it; A's engine call ends later and its settle
+    is refused; every task succeeds once, on B."""
+    client = Client(settings)
+    ids = [client.submit(_text(n)) for n in range(6)]
+    slow = RecordingEngine(delay_s=4.0)
+    a = _named_loop(settings, slow, "a")
+    b_engine = RecordingEngine()
+    with Running(a):
+        wait_until(lambda: a.parts.watch.running(), what="A's batch in its engine")
+        began = time.monotonic()
+        report = a.drain(25.0)
+        assert not report.finishing and report.handed_back == 6
+        b = _named_loop(settings, b_engine, "b")
+        with Running(b):
+            wait_until(
+                lambda: all(client.status(t)["state"] == "succeeded" for t in ids),
+                timeout=20,
+                what="B ran them",
+            )
+            assert time.monotonic() - began < 4.0  # before A's engine call even ended
+            wait_until(lambda: slow.ran, timeout=10, what="A's engine call to end")
+    assert sorted(b_engine.ran) == sorted(ids)
+    for task in ids:
+        record = client.result(task)
+        assert record["worker"] == "b" and record["attempts"] == 1, record
+        assert client.status(task)["attempts"] == "1"
+
+
+def test_a_batch_that_fits_the_window_finishes_on_the_draining_loop(settings):
+    """With its engine time known (one batch went through) and inside the window, the
+    running batch finishes and settles on A; only what it prefetched goes back."""
+    client = Client(settings)
+    engine = RecordingEngine(delay_s=1.0)
+    a = make_loop(settings, engine, modalities=("text",))
+    with Running(a):
+        warm = client.submit(_text(0))
+        wait_until(lambda: client.status(warm)["state"] == "succeeded", what="a first batch")
+        ids = [client.submit(_text(n)) for n in range(1, 4)]
+        wait_until(lambda: a.parts.watch.running(), what="the next batch in its engine")
+        report = a.drain(25.0)
+        assert report.finishing and report.finishing <= set(ids)
+        wait_until(
+            lambda: all(client.status(t)["state"] == "succeeded" for t in report.finishing),
+            what="the finishing batch settled on A",
+        )
+    assert set(engine.ran) >= report.finishing

@@ -57,7 +57,18 @@ class Standby:
         self.proc.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
+        """Wake it, and wait until it is idle again as a standby is (its heartbeat ran after
+        the wake twice: a process just woken from SIGSTOP takes about a second to poll
+        again, which is the drill's doing, not the drain's)."""
+        woken = _redis_now(self.harness)
         self.proc.send_signal(signal.SIGCONT)
+        records = self.harness.client.state.workers
+
+        def beat_since() -> bool:
+            record = records.all().get(self.name) or {}
+            return float(record.get("at") or 0) > woken + 1.0
+
+        wait_until(beat_since, timeout=30, what=f"{self.name} awake")
 
 
 def _redis_now(harness: Harness) -> float:

@@ -53,6 +53,7 @@ def test_handed_back_tasks_go_to_the_head_of_the_queue_and_the_old_holder_is_fen
     tokens = {d.task_id: d.token for d in held}
     assert leases.hand_back(tokens) == 3
     assert leases.hand_back(tokens) == 0  # safe to repeat: no longer held
+    assert {tasks.get(t)["state"] for t in first} == {"queued"}  # the starts undone
     # Late moves of the old holder's: refused, whether or not someone pulled the tasks again.
     assert not any(m.held for m in tasks.settle(_ends(held)))
     assert set(leases.renew(tokens, 60)) == set(tokens)  # lost to this holder
@@ -72,6 +73,24 @@ def test_handed_back_tasks_go_to_the_head_of_the_queue_and_the_old_holder_is_fen
     for task in first:
         status = tasks.get(task)
         assert status["state"] == "succeeded" and status["attempts"] == "1", status
+
+
+def test_a_hand_back_undoes_the_starts_in_the_job_counters(settings):
+    client = Client(settings)
+    job = client.submit_many([_text(n) for n in range(5)])
+    held = client.state.intake("text").pull(5, 60).deliveries
+    _start(client, held[:3])
+    assert client.status(job)["counts"]["running"] == 3
+    assert client.state.leases.hand_back({d.task_id: d.token for d in held}) == 5
+    counts = client.status(job)["counts"]
+    assert (counts["queued"], counts["running"]) == (5, 0), counts
+    assert client.cancel(held[0].task_id) == 1  # queued again: a cancel stops it
+    engine = RecordingEngine()
+    with Running(make_loop(settings, engine)):
+        wait_until(lambda: client.status(job)["finished"], what="the job")
+    counts = client.status(job)["counts"]
+    assert (counts["succeeded"], counts["cancelled"]) == (4, 1), counts
+    assert sorted(engine.ran) == sorted(d.task_id for d in held[1:])
 
 
 def test_a_task_handed_back_many_times_is_never_dead_lettered(settings):

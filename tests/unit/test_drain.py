@@ -76,7 +76,7 @@ def test_requests_given_back_on_a_failure_path_leave_the_watch_uncounted():
 # notices ------------------------------------------------------------------------------------
 
 
-def test_a_file_that_appears_is_a_notice(tmp_path: Path):
+def test_a_file_that_appears_is_a_notice(tmp_path: Path) -> None:
     path = tmp_path / "preempted"
     assert file_notice(str(path)) is None
     path.write_text("spot reclaim in 30s\n")
@@ -131,7 +131,7 @@ def test_an_endpoint_that_does_not_answer_is_no_notice():
     assert url_notice("http://127.0.0.1:9/", {}) is None
 
 
-def test_the_watcher_calls_once_on_the_first_notice(tmp_path: Path):
+def test_the_watcher_calls_once_on_the_first_notice(tmp_path: Path) -> None:
     path = tmp_path / "notice"
     called = threading.Event()
     calls: list[int] = []

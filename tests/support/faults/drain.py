@@ -124,10 +124,10 @@ def drill(
     signalled = _redis_now(harness)
     began = time.monotonic()
     a.send_signal(signal.SIGTERM if mode == "term" else signal.SIGKILL)
-    killer = threading.Timer(kill_after_s, lambda: a.poll() is None and a.kill())
+    killer = threading.Timer(kill_after_s, _kill_if_alive, (a,))
     killer.start()
     gone: list[float] = []
-    threading.Thread(target=lambda: (a.wait(), gone.append(time.monotonic())), daemon=True).start()
+    threading.Thread(target=_note_exit, args=(a, gone), daemon=True).start()
     try:
         outcome = _outcome(harness, standby, a, ids, mode, signalled, timeout_s)
         outcome.a_exited_s = gone[0] - began if gone else None
@@ -137,6 +137,17 @@ def drill(
         if a.poll() is None:
             a.kill()
         a.wait(10)
+
+
+def _kill_if_alive(proc: subprocess.Popen[bytes]) -> None:
+    """The spot node's SIGKILL, for a worker still there."""
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _note_exit(proc: subprocess.Popen[bytes], gone: list[float]) -> None:
+    proc.wait()
+    gone.append(time.monotonic())
 
 
 def _outcome(

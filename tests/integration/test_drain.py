@@ -170,3 +170,36 @@ def test_a_batch_that_fits_the_window_finishes_on_the_draining_loop(settings):
             what="the finishing batch settled on A",
         )
     assert set(engine.ran) >= report.finishing
+
+
+def test_a_continuous_engine_finishes_what_fits_and_hands_back_the_rest_at_the_window(
+    settings: Any,
+) -> None:
+    """A continuous engine (StepEngine, one request per micro-batch): after a drain it is
+    stepped for what the plan lets finish, taking nothing new; a request still decoding when
+    the window ends is handed back and runs on another loop, once."""
+    from tests.integration.test_continuous_driver import _batches_of, _text as _line
+    from tests.support.continuous import StepEngine
+
+    settings = _batches_of(settings, 1)
+    client = Client(settings)
+    engine = StepEngine(slots=4, step_s=0.01)
+    a = _named_loop(settings, engine, "a")
+    with Running(a):
+        warm = client.submit_many([_line(0, 3)])
+        wait_until(lambda: client.status(warm)["finished"], what="a first micro-batch")
+        job = client.submit_many([_line(1, 20), _line(2, 400)])  # 0.2 s and 4 s
+        ids = list(client.job_task_ids(job))
+        wait_until(lambda: len(a.parts.watch.running()) == 2, what="both inside the engine")
+        report = a.drain(1.0)
+        assert report.finishing == set(ids)  # overdue on the average: expected any moment
+    # (Running's exit: the loop returned at the window's end, its shutdown handed back the rest.)
+    assert not a.parts.held.tokens()
+    short, long = sorted(ids, key=lambda t: client.state.tasks.get(t).get("custom_id", ""))
+    assert client.status(short)["state"] == "succeeded"
+    assert client.status(long)["state"] == "queued"  # handed back at the window's end
+    b = _named_loop(settings, StepEngine(slots=4), "b")
+    with Running(b):
+        wait_until(lambda: client.status(job)["finished"], what="the job")
+    assert client.result(short)["worker"] == "a" and client.result(long)["worker"] == "b"
+    assert client.result(long)["attempts"] == 1

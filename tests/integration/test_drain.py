@@ -9,7 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tests.integration.test_continuous_driver import _batches_of
+from tests.integration.test_continuous_driver import _text as _line
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
+from tests.support.continuous import StepEngine
 from tests.support.services import wait_until
 from vlmq.broker.connection import create_redis
 from vlmq.broker.state.intake import Delivery
@@ -178,9 +181,6 @@ def test_a_continuous_engine_finishes_what_fits_and_hands_back_the_rest_at_the_w
     """A continuous engine (StepEngine, one request per micro-batch): after a drain it is
     stepped for what the plan lets finish, taking nothing new; a request still decoding when
     the window ends is handed back and runs on another loop, once."""
-    from tests.integration.test_continuous_driver import _batches_of, _text as _line
-    from tests.support.continuous import StepEngine
-
     settings = _batches_of(settings, 1)
     client = Client(settings)
     engine = StepEngine(slots=4, step_s=0.01)

@@ -167,6 +167,15 @@ class Drain:
         )
         return report
 
+    def hand_back_rest(self, finishing: set[str]) -> int:
+        """Hand back what is held now besides ``finishing`` and the results being settled
+        (what a pull under way when the drain began brought in)."""
+        keep = finishing | self.settler.pending_ids()
+        rest = {t: n for t, n in self.held.tokens().items() if t not in keep}
+        if rest:
+            log.warning("draining: %d more tasks handed back (a pull under way)", len(rest))
+        return self.give(rest)
+
     def give(self, tokens: dict[str, int]) -> int:
         """Hand ``tokens`` back in one script call; a Redis that cannot take it leaves them to
         their leases (nothing is held and renewed without being worked on)."""

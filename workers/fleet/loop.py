@@ -124,8 +124,7 @@ class BatchLoop:
         self.drained = report
         if self.pipeline is not None:
             self.pipeline.join_puller(timeout_s=2.0)
-        late = drain.hand_back()  # nothing unless a pull was under way
-        report.handed_back += late.handed_back
+        report.handed_back += drain.hand_back_rest(report.finishing)
         return report
 
     def _drain(self, window_s: float) -> Drain:

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.support.faults.harness import Harness
+from tests.support.faults.harness import Harness, batch_policy
 from tests.support.services import wait_until
 
 __all__ = ["Drill", "Standby", "drill"]
@@ -106,6 +106,9 @@ def drill(
         delay_s=engine_s,
         VLMQ_FLEET__LEASE_S=str(lease_s),
         VLMQ_DRAIN__WINDOW_S=str(window_s),
+        # A gathers for up to 2 s after its first task: the drill's tasks, submitted one by
+        # one, make one batch.
+        VLMQ_BATCH=batch_policy(16, wait_s=2.0),
     )
     harness.wait_registered(name)
     standby.pause()

@@ -19,6 +19,7 @@ __all__ = [
     "BatchPolicy",
     "CelerySettings",
     "CostSettings",
+    "DrainSettings",
     "EngineSettings",
     "FleetSettings",
     "FrameStoreSettings",
@@ -906,6 +907,51 @@ class CostSettings(BaseModel):
     )
 
 
+class DrainSettings(BaseModel):
+    """How a worker leaves when its machine is taken away (spot preemption, a rolling
+    deploy): docs/fleet.md, Drain."""
+
+    window_s: float = Field(
+        25.0,
+        ge=0,
+        description="On SIGTERM or a notice, a worker stops pulling at once, finishes only "
+        "the micro-batches whose expected remaining engine time fits in this many seconds, "
+        "and hands everything else it holds (prefetched and running) back to the queues in "
+        "one call, for other workers to take at once. Keep it under the notice the platform "
+        "gives (spot: 30-120 s; Kubernetes: terminationGracePeriodSeconds).",
+    )
+    notice_file: str = Field(
+        "",
+        description="A path whose appearance is a preemption notice (a node agent or a "
+        "sidecar writes it); empty: none.",
+    )
+    notice_url: str = Field(
+        "",
+        examples=[
+            "http://169.254.169.254/latest/meta-data/spot/instance-action",
+            "http://metadata.google.internal/computeMetadata/v1/instance/preempted",
+        ],
+        description="An HTTP endpoint polled for a preemption notice: a 200 answer (whose "
+        "body contains notice_body, when set) is one; empty: none.",
+    )
+    notice_headers: dict[str, str] = Field(
+        default_factory=dict,
+        examples=[{"Metadata-Flavor": "Google"}],
+        description="Headers sent with each poll of notice_url, a JSON object.",
+    )
+    notice_body: str = Field(
+        "",
+        examples=["TRUE"],
+        description="Text a 200 answer of notice_url must contain to be a notice (GCE's "
+        "preempted endpoint answers 200 FALSE until it is TRUE); empty: any 200 is one.",
+    )
+    notice_poll_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often notice_file and notice_url are checked (s).",
+    )
+
+
 class TenantQuota(BaseModel):
     """One tenant's limits (None: unlimited / the API's default rate)."""
 
@@ -1045,6 +1091,10 @@ class Settings(BaseSettings):
     cost: CostSettings = Field(
         default_factory=CostSettings,
         description="What a worker's GPU time costs (per result, in vlmq usage).",
+    )
+    drain: DrainSettings = Field(
+        default_factory=DrainSettings,
+        description="How a worker leaves on SIGTERM or a preemption notice.",
     )
     celery: CelerySettings = Field(
         default_factory=CelerySettings,

@@ -50,7 +50,7 @@ def test_a_running_worker_is_healthy_and_a_stopped_one_is_not(redis_server, tmp_
         assert healthcheck(redis_server.url, "--name", service.name).returncode == 0
         assert healthcheck(redis_server.url, "--name", "text@elsewhere:1").returncode == 1
     finally:
-        service.stop(drain_timeout_s=5)
+        service.stop()
     # A clean stop removes the entry: nothing of this host is left.
     done = healthcheck(redis_server.url)
     assert done.returncode == 1 and "no heartbeat" in done.stdout

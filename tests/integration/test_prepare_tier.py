@@ -257,6 +257,33 @@ def test_a_running_prepare_loop_stops_and_gives_back(
     assert client.status(job)["counts"]["succeeded"] == 3
 
 
+def test_a_draining_prepare_worker_hands_back_what_it_holds_at_once(
+    settings: Settings, media: Path, checkpoint: Any
+) -> None:
+    """A prepare worker told to go (SIGTERM, a preemption notice) does not finish what it is
+    preparing: it hands everything it holds back in one call, no longer 'preparing', and
+    its late hand-on is refused; the GPU worker runs every task once."""
+    settings = _settings(settings, media, checkpoint("qwen2_5_vl"))
+    client = Client(settings)
+    job = client.submit_many(_requests(media))
+    prep = _prepare(settings)
+    intake = prep.parts.intakes["image"]
+    pulled = intake.pull(8, 60).deliveries + prep.parts.intakes["video"].pull(8, 60).deliveries
+    prep.parts.held.add(pulled)
+    assert len(pulled) == 3
+    assert prep.drain(settle_s=0.1) == 3
+    assert len(prep.parts.held) == 0
+    assert client.redis.hlen(Keys().inflight()) == 0
+    stages = {t: client.state.tasks.get(t).get("stage") for t in client.job_task_ids(job)}
+    assert set(stages.values()) == {None}, stages  # not 'preparing' any more
+    late = prep.parts.state.leases.hand_on(
+        Keys().prepared_queue("image", "bulk"), {d.task_id: d.token for d in pulled}
+    )
+    assert set(late.values()) == {"lost"}  # the old holder is fenced out
+    _drain(_gpu(settings), client, job)
+    assert client.status(job)["counts"]["succeeded"] == 3
+
+
 _WITHOUT_TORCH = """
 import sys
 for name in ("torch", "torchvision", "transformers"):

@@ -178,8 +178,9 @@ class Processes:
         return proc
 
     def terminate(self, proc: Any, timeout: float = 30) -> int:
-        """SIGTERM: a worker finishes its batch and its settles, gives back the rest and
-        exits; returns its exit code (whatever it did with what it held is done by then)."""
+        """SIGTERM: a worker drains (finishes what fits its drain window and its settles,
+        hands back the rest) and exits; returns its exit code (whatever it did with what it
+        held is done by then)."""
         proc.send_signal(signal.SIGTERM)
         code: int = proc.wait(timeout)
         return code

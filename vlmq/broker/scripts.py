@@ -14,7 +14,7 @@ acknowledgements are one command (``settle``), not a transaction.
 **Every call is safe to repeat.** redis-py resends a command whose reply a connection reset
 lost (``vlmq/broker/connection.py``: the command ran, the reply did not arrive), and callers retry
 on their own after a timeout. The commands that are safe to repeat by construction run as
-they are: renew, ack, give back and reap (fenced by the holder's token), seal, the event
+they are: renew, ack, give back, hand back and reap (fenced by the holder's token), seal, the event
 leases, and settle (a task it already ended reads as this holder's: moved no further, counted
 once, its object kept). Every other one (:data:`REPLAYED`) carries a call id: the script
 keeps its first reply under ``Keys.call(id)`` for ``replay_ttl_s``, written in the same atomic
@@ -57,6 +57,7 @@ ALLOW_OOM = frozenset(
         "settle",
         "ack",
         "give_back",
+        "hand_back",
         "reap",
         "hand_on",
         "renew",

@@ -41,8 +41,8 @@ def make_app(settings: Settings, service: Any = None) -> Celery:
         worker_send_task_events=True,
         task_send_sent_event=False,
         worker_cancel_long_running_tasks_on_connection_loss=True,
-        # On SIGTERM the batch loop finishes its batch and returns what it
-        # pulled (IntakeStep.stop); Celery's own soft shutdown covers the
+        # On SIGTERM the batch loop drains (IntakeStep.stop: workers/fleet/
+        # drain.py); Celery's own soft shutdown covers the
         # control queue's tasks, which are bounded by the time limits.
         worker_soft_shutdown_timeout=60.0,
         task_soft_time_limit=240,

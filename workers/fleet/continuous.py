@@ -15,6 +15,7 @@ the driver stops taking work, lets the engine empty, runs it by itself, then goe
 from __future__ import annotations
 
 import logging
+import time
 
 from vlmq.config.schemas import Result
 from vlmq.workers.engine.interface import EngineDied
@@ -51,6 +52,13 @@ class ContinuousDriver:
         if self._open:
             self._poll()
         return True
+
+    def finish(self, task_ids: set[str], deadline: float) -> None:
+        """A drain's end: step the engine, taking nothing new, until the requests it lets
+        finish are settled or ``deadline`` (monotonic) passed (what else is inside was
+        handed back: its settle is refused)."""
+        while task_ids & self._open.keys() and time.monotonic() < deadline:
+            self._poll()
 
     # taking work -----------------------------------------------------------------
     def _fill(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from vlmq.config.settings import BatchPolicy, FleetSettings, WorkerSettings
 from vlmq.workers.fleet.batches import PulledBatch
 from vlmq.workers.fleet.continuous import ContinuousDriver
+from vlmq.workers.fleet.drain import Drain, DrainReport
 from vlmq.workers.fleet.pipeline import Pipeline
 from vlmq.workers.fleet.polling import poll_until_stopped
 from vlmq.workers.fleet.stages import LoopParts, Stages
@@ -55,6 +56,7 @@ class BatchLoop:
         self.watchdog = Watchdog(fleet, worker_settings, parts)
         self.pipeline: Pipeline | None = None
         self.driver: StaticDriver | ContinuousDriver | None = None
+        self.drained: DrainReport | None = None  # set by drain(): what is let finish
 
     @property
     def batches_done(self) -> int:
@@ -74,6 +76,10 @@ class BatchLoop:
     def run_forever(self) -> None:
         self.driver = self._driver()
         self._repeat(self.driver.step)
+        drained = self.drained
+        if drained is not None and isinstance(self.driver, ContinuousDriver):
+            # Stopped by a drain: keep stepping the engine for what it lets finish.
+            self.driver.finish(drained.finishing, drained.deadline)
 
     def _driver(self) -> StaticDriver | ContinuousDriver:
         """Serial: every stage in turn on this thread. Pipelined: stage threads run ahead,
@@ -108,19 +114,33 @@ class BatchLoop:
     def stop(self) -> None:
         self.stop_event.set()
 
+    def drain(self, window_s: float) -> DrainReport:
+        """Stop pulling now; hand back, in one call, everything held but the micro-batches
+        expected to finish within ``window_s`` (``drain.py``), then once more what a pull
+        that was under way when it began brought in. The model thread finishes the rest."""
+        self.stop_event.set()
+        drain = self._drain(window_s)
+        report = drain.hand_back()
+        self.drained = report
+        if self.pipeline is not None:
+            self.pipeline.join_puller(timeout_s=2.0)
+        report.handed_back += drain.hand_back_rest(report.finishing)
+        return report
+
+    def _drain(self, window_s: float) -> Drain:
+        parts = self.parts
+        return Drain(window_s, parts.held, parts.state.leases, parts.watch, parts.settler)
+
     def shutdown(self, drain_timeout_s: float = 60.0) -> None:
-        """After the loop returned: stop the stages, finish uploads, give back what never
-        ran (everything prefetched is still queued)."""
+        """After the loop returned (or, draining, gave up on it): stop the stages, finish
+        uploads, hand back what is still held (what never ran, what did not finish in time)."""
         parts = self.parts
         if self.pipeline is not None:
-            self.pipeline.join(timeout_s=5.0)
+            self.pipeline.join(timeout_s=5.0 if self.drained is None else 0.5)
         for pool in (parts.prepare_pool, parts.collate_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         parts.settler.drain(drain_timeout_s)
-        leftover = parts.held.tokens()
-        if leftover:
-            parts.state.leases.give_back(leftover)
-            parts.held.release(leftover)
+        self._drain(0.0).give(parts.held.tokens())
         parts.settler.close()
         parts.housekeeper.close()
         parts.observer.close()

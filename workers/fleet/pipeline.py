@@ -88,6 +88,12 @@ class Pipeline:
         for thread in self._threads:
             thread.join(timeout_s)
 
+    def join_puller(self, timeout_s: float) -> None:
+        """Wait for a pull under way when the loop was stopped (nothing is pulled after)."""
+        for thread in self._threads:
+            if thread.name == "pipeline-pull":
+                thread.join(timeout_s)
+
     # stage threads ---------------------------------------------------------------
     def _puller(self) -> None:
         backoff = Backoff(self._idle_s)

@@ -273,6 +273,34 @@ class PrepareLoop:
     def stop(self) -> None:
         self._stop.set()
 
+    def drain(self, settle_s: float = 2.0) -> int:
+        """Stop pulling now and hand back everything held in one call (``lua/intake.lua``
+        ``hand_back``): preparing is redone in a moment by whoever takes the task (or the
+        GPU worker prepares it itself), while waiting for it may cost the machine. The
+        round under way finds its hand-on refused. Then, after the round ended (``settle_s``
+        at most), what a pull under way brought in. Returns how many went back."""
+        self.stop()
+        back = self._hand_back()
+        self._idle.wait(settle_s)
+        back += self._hand_back()
+        self.parts.pool.shutdown(wait=False, cancel_futures=True)
+        self.parts.housekeeper.close()
+        self.parts.observer.close()
+        return back
+
+    def _hand_back(self) -> int:
+        held = self.parts.held.tokens()
+        if not held:
+            return 0
+        try:
+            back = self.parts.state.leases.hand_back(held)
+        except Exception:
+            log.warning("could not hand %d tasks back; their leases will lapse", len(held))
+            back = 0
+        self.parts.held.release(held)
+        log.warning("draining: %d tasks handed back", back)
+        return back
+
     def shutdown(self, drain_timeout_s: float = 60.0) -> None:
         """Let the current round finish (it hands its tasks on), then give back anything
         still held."""

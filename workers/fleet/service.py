@@ -1,8 +1,9 @@
 """One worker process: one model, a batch loop thread and a lease heartbeat.
 
 ``setup()`` loads the model in this process (never at import and never in a
-forked child), ``start()`` starts the loop, ``stop()`` lets the current batch
-finish, waits for its uploads and gives back whatever was pulled but not run.
+forked child), ``start()`` starts the loop, ``stop()`` drains it (SIGTERM or a
+preemption notice, ``drain.py``): it stops pulling, lets finish what fits the
+drain window and hands everything else back for other workers to take at once.
 A batch stuck past its time limit makes the heartbeat stop renewing leases
 and exit the process, so its messages are redelivered and a supervisor
 (docker restart policy, systemd, Kubernetes) starts a fresh worker.
@@ -41,6 +42,7 @@ from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.loop import BatchLoop, LoopParts
 from vlmq.workers.fleet.metrics import WorkerMetrics
+from vlmq.workers.fleet.notices import NoticeWatcher
 from vlmq.workers.fleet.observer import LoopObserver, Observers
 from vlmq.workers.fleet.prepare_tier import PrepareLoop, PrepareParts, model_targets
 from vlmq.workers.fleet.renewals import Renewals, redis_time
@@ -187,6 +189,9 @@ class WorkerService:
         self.celery_results: Any = None  # CeleryResults, when results are recorded
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopping = False
+        self.notices = NoticeWatcher(settings.drain)
 
     def setup(self) -> WorkerService:
         if self.role == "prepare":
@@ -284,6 +289,7 @@ class WorkerService:
         self._spawn(self._run_loop, "batch-loop")
         self._spawn(self._heartbeat, "heartbeat")
         self._spawn(self._feed, "feeder")
+        self.notices.start()  # a preemption notice drains it as SIGTERM does
         log.info("worker %s serving %s", self.name, ",".join(self.modalities))
 
     def _spawn(self, target: Any, name: str) -> None:
@@ -368,14 +374,26 @@ class WorkerService:
             if pruned:
                 log.info("forgot %d records of workers silent for %.0fs", pruned, forget_after_s)
 
-    def stop(self, drain_timeout_s: float = 60.0) -> None:
-        if self.loop is None or self._stopped.is_set():
-            return
-        self.loop.stop()
-        for thread in self._threads:
-            if thread.name == "batch-loop":
-                thread.join(timeout=self.settings.fleet.batch_time_limit_s)
-        self.loop.shutdown(drain_timeout_s)
+    def stop(self) -> None:
+        """Drain and stop (SIGTERM, a preemption notice, Celery's warm shutdown): stop
+        pulling at once, hand back everything but what fits the drain window
+        (``VLMQ_DRAIN__WINDOW_S``, ``drain.py``), let that finish and settle, hand back
+        whatever is left. A micro-batch handed back may still be inside the engine: it is not
+        waited for (its delivery is void; the process exits with it)."""
+        with self._stop_lock:
+            if self.loop is None or self._stopping:
+                return
+            self._stopping = True
+        self.notices.stop()
+        window_s = self.settings.drain.window_s
+        if isinstance(self.loop, BatchLoop):
+            report = self.loop.drain(window_s)
+            for thread in self._threads:
+                if thread.name == "batch-loop":
+                    thread.join(timeout=_left(report.deadline) if report.finishing else 0.5)
+            self.loop.shutdown(max(1.0, _left(report.deadline)))
+        else:
+            self.loop.drain()
         self._stopped.set()
         with contextlib.suppress(RedisError):
             self.records.retire(self.name)
@@ -384,6 +402,11 @@ class WorkerService:
     def wait(self) -> None:
         """Block until stopped (used when not hosted by Celery)."""
         self._stopped.wait()
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic), none below zero."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _engine_stats(stats: EngineStats | None) -> dict[str, Any]:

@@ -170,6 +170,7 @@ class Settler:
         self._batches = ThreadPoolExecutor(max_workers=2, thread_name_prefix="settle")
         self._uploads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="upload")
         self._pending = 0
+        self._pending_ids: dict[str, int] = {}  # task id -> its settlements in flight
         self._lock = threading.Lock()
         self.stopping = threading.Event()
 
@@ -184,6 +185,8 @@ class Settler:
             return
         with self._lock:
             self._pending += len(settlements)
+            for s in settlements:
+                self._pending_ids[s.task_id] = self._pending_ids.get(s.task_id, 0) + 1
         self._batches.submit(self._settle_counted, list(settlements))
 
     def _settle_counted(self, settlements: list[Settlement]) -> None:
@@ -192,6 +195,15 @@ class Settler:
         finally:
             with self._lock:
                 self._pending -= len(settlements)
+                for s in settlements:
+                    left = self._pending_ids.pop(s.task_id, 1) - 1
+                    if left > 0:
+                        self._pending_ids[s.task_id] = left
+
+    def pending_ids(self) -> set[str]:
+        """Tasks whose results are being settled (a drain keeps them: they are done)."""
+        with self._lock:
+            return set(self._pending_ids)
 
     def _settle(self, settlements: list[Settlement]) -> None:
         try:

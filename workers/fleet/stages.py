@@ -29,6 +29,7 @@ from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.fleet.batches import Begun, Planned, PulledBatch
 from vlmq.workers.fleet.charge import charge
 from vlmq.workers.fleet.clock import StageClock
+from vlmq.workers.fleet.drain import EngineWatch
 from vlmq.workers.fleet.held import Held
 from vlmq.workers.fleet.housekeeping import Housekeeper
 from vlmq.workers.fleet.observer import LoopObserver
@@ -60,6 +61,8 @@ class LoopParts:
     clock: StageClock
     renewals: Renewals
     pricing: Pricing = field(default_factory=Pricing)  # what its GPU time costs
+    # What is inside the engine and for how long (a drain's plan: drain.py).
+    watch: EngineWatch = field(default_factory=EngineWatch)
 
 
 class Stages:
@@ -240,7 +243,9 @@ class Stages:
         parts.observer.batch(modality, len(started), max_size, redelivered)
         # From planned to generating: collation and the wait for the model.
         waited = round(time.monotonic() - planned.ready_at, 4)
-        return Begun(planned, started, collated, uuid.uuid4().hex[:12], modality, waited)
+        begun = Begun(planned, started, collated, uuid.uuid4().hex[:12], modality, waited)
+        parts.watch.began(id(begun), (w.task_id for w in started))
+        return begun
 
     def _prepare_alone(self, planned: Planned) -> bool:
         """Prepare a request whose holders died before it started, here, with nothing else in
@@ -300,6 +305,7 @@ class Stages:
         for settlement in settlements:
             self._report(settlement.record)
         self.parts.settler.submit_many(settlements)
+        self.parts.watch.settled(id(begun), (w.task_id for w in done))
         return done
 
     def _report(self, record: dict[str, Any]) -> None:
@@ -310,6 +316,7 @@ class Stages:
     # giving back -----------------------------------------------------------------
     def give_back(self, task_ids: list[str]) -> None:
         """What failed on its way goes back (``Held.give_back``)."""
+        self.parts.watch.forget(task_ids)
         self.parts.held.give_back(self.parts.state.leases, task_ids)
 
     def give_back_batch(self, pulled: PulledBatch) -> None:

@@ -374,6 +374,55 @@ function commands.give_back()
   end)
 end
 
+-- A started task's start undone (hand_back): its attempt taken back, 'queued' again, counted
+-- as queued in its job (and in the quota it counts in) as before its start. `key`: its hash.
+local function unstart(key, job_prefix)
+  local h = redis.call('HMGET', key, 'state', 'attempts', 'job_id', 'quota', 'est')
+  if tonumber(h[2] or '0') > 1 then
+    redis.call('HINCRBY', key, 'attempts', -1)
+  else
+    redis.call('HDEL', key, 'attempts')
+  end
+  if h[1] ~= 'running' then return end
+  redis.call('HSET', key, 'state', 'queued')
+  redis.call('HDEL', key, 'started_at')
+  if h[4] then quota_add(h[4], 1, tonumber(h[5] or '0') or 0) end  -- a quota of its own
+  if h[3] and h[3] ~= '' then
+    local jobkey = job_prefix .. h[3]
+    redis.call('HINCRBY', jobkey, 'running', -1)
+    queued_by(jobkey, 1, h[4] and 0 or 1)
+  end
+end
+
+-- hand_back: a draining worker (preemption, SIGTERM: workers/fleet/drain.py) returns held
+-- messages, started or not, to the head of their queues now, so other workers take them at
+-- once instead of after lease plus reap (allow-oom; safe to repeat). Each is a return
+-- (returned), and a started one's start is undone (unstart): it was abandoned, not killed,
+-- so it neither counts toward max_deliveries nor becomes a suspect that runs alone, and it
+-- reads 'queued' (a cancel stops it). The delivery is then void: its token is spent (the
+-- count moves on, the spent token counted a return too), so a late renew, start, settle or
+-- hand_on of this holder's is refused even before anyone pulls the task again.
+-- KEYS[1..5] bookkeeping. ARGV: task key prefix, job key prefix, then id, token pairs.
+-- Returns how many it returned.
+function commands.hand_back()
+  local prefix, job_prefix = ARGV[2], ARGV[3]
+  local total = 0
+  for i = 4, #ARGV, 2 do
+    local id, token = ARGV[i], ARGV[i + 1]
+    local key = prefix .. id
+    local h = redis.call('HMGET', key, 'deliveries', 'started')
+    if h[1] == token and redis.call('HEXISTS', KEYS[1], id) == 1 then
+      requeue(id, prefix)
+      returned(key, token)
+      if h[2] == token then unstart(key, job_prefix) end
+      redis.call('HINCRBY', key, 'deliveries', 1)
+      redis.call('HINCRBY', key, 'returns', 1)
+      total = total + 1
+    end
+  end
+  return total
+end
+
 -- reap: put back messages whose holder stopped renewing (it died) (allow-oom; safe to
 -- repeat). KEYS[1..5] bookkeeping. ARGV: most to move, task key prefix.
 function commands.reap()

@@ -199,6 +199,16 @@ class Leases:
         args = [self.keys.task_prefix, *_pairs(held)]
         return int(self.scripts("give_back", self.keys.bookkeeping(), args))
 
+    def hand_back(self, held: Mapping[str, int]) -> int:
+        """A draining worker's return of everything it holds, started or not, in one call
+        (``lua/intake.lua`` ``hand_back``): each goes to the head of its queue now, a started
+        one's start is undone (its attempt, 'queued' again), and this holder's delivery is
+        void (a late settle of it is refused). Returns how many went back."""
+        if not held:
+            return 0
+        args = [self.keys.task_prefix, self.keys.job_prefix, *_pairs(held)]
+        return int(self.scripts("hand_back", self.keys.bookkeeping(), args))
+
     def hand_on(self, prepared_list: str, held: Mapping[str, int]) -> dict[str, str]:
         """Move prepared tasks this holder holds to ``prepared_list`` (``lua/intake.lua``
         ``hand_on``): task id -> 'on', 'ended' or 'lost'."""

@@ -1,4 +1,5 @@
-"""Media for VLM requests: fetch (with SSRF, size and time limits) and decode.
+"""The media loader: fetch (with SSRF, size and time limits) and decode, through the cache
+and the frame store.
 
 Usage::
 

@@ -273,6 +273,18 @@ class MediaSettings(BaseModel):
         description="auto's video rule: CUDA decoding only for samples at least this dense "
         "per second of video (sparse seeks are faster on the CPU).",
     )
+    device_video_codecs: list[str] = Field(
+        default_factory=lambda: ["h264", "hevc"],
+        description="auto's video rule: codecs (FFmpeg names) sent to the GPU's hardware "
+        "decoder (NVDEC: workers/media/nvdec.py); any other stays on the CPU (AV1 falls back "
+        "to software on Hopper). A JSON list.",
+    )
+    device_jpeg_batch: int = Field(
+        32,
+        ge=1,
+        description="Photos decoded together in one nvJPEG batch on the device "
+        "(workers/media/devpixels.py).",
+    )
     frame_store: FrameStoreSettings = Field(
         default_factory=FrameStoreSettings,
         description="The fleet-wide frame store of prepared media.",

@@ -25,6 +25,7 @@ from vlmq.config.errors import (
 from vlmq.config.schemas import ImagePart, Request, TextPart, VideoPart
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.estimate import estimate_prompt_tokens
+from vlmq.workers.engine.hostcopy import pin_buffers
 from vlmq.workers.engine.model import LoadedModel
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import (
@@ -180,6 +181,9 @@ class Preparer:
         )
         # nvJPEG on the model's GPU when media.device_decode allows it; None: the CPU path.
         self.image_decoder: ImageDecoder | None = device_image_decoder(media, loaded.device)
+        if loader.frames is not None and loaded.device.startswith("cuda"):
+            # Frame-store reads into pinned memory: the copy to the device does not block.
+            pin_buffers(loader.frames.buffers)
 
     def prepare_all(self, requests: list[Request]) -> list[Prepared]:
         futures = [self.pool.submit(self.prepare, request) for request in requests]

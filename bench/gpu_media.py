@@ -158,6 +158,7 @@ class Plan:
     write: Path | None
     smoke: bool
     command: str
+    nvdec_only: bool = False  # the NVDEC call (.whl-nvdec): no engine, only (e)'s video
 
     @property
     def cuda(self) -> bool:
@@ -241,6 +242,7 @@ class Report:
     video: list[VideoRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     busy: dict[tuple[str, str], list[BusyRun]] = field(default_factory=dict)
+    device_media: list[str] = field(default_factory=list)  # (e): bench/gpu_device_media.py
     skipped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -615,12 +617,18 @@ class Runner:
         pool = multiprocessing.get_context("spawn").Pool(plan.procs, initializer=warm_up)
         try:
             media = self._media(pool)
-            if self._engine() and media is not None:
+            if plan.nvdec_only:
+                if media is not None and self._wait_media():
+                    self._bare_media()
+                    self._step("nvdec", "(e) NVDEC video", lambda: self._nvdec(pool, media))
+            elif self._engine() and media is not None:
                 self._step(
                     "decode", "(a)+(b) JPEG decode and pixel error", lambda: self._decode(media)
                 )
                 self._step("agree", "(b) greedy agreement", lambda: self._agreement(media))
                 self._step("video", "(c) video decode", lambda: self._video(media))
+                self._step("device", "(e) photos on the device", lambda: self._photos(media))
+                self._step("nvdec", "(e) NVDEC video", lambda: self._nvdec(pool, media))
                 self._busy(pool, media)
         finally:
             pool.terminate()
@@ -929,6 +937,55 @@ class Runner:
         ]
         self.report.pixels.append(pixel_row(f"clip frames: torchcodec on {device} vs PyAV", pairs))
 
+    # (e) ---------------------------------------------------------------------------------------
+    def _photos(self, media: Media) -> None:
+        from bench.gpu_device_media import logits_lines, photo_lines
+        from vlmq.workers.media.image import decode_image
+
+        plan, settings = self.plan, self.media_settings
+        assert settings is not None
+        device = plan.device if plan.cuda else "cpu"
+        datas = [p.read_bytes() for p in media.decode]
+        lines, images = photo_lines(
+            datas, settings, self.targets[0], device, plan.jpeg_batch, plan.repeats
+        )
+        self.report.device_media += lines
+        self._publish()
+        count = max(1, plan.agree)
+        cpu_images = [decode_image(d, settings, self.targets[0]) for d in datas[:count]]
+        self.clock.say("(e) logits agreement")
+        self.report.device_media += logits_lines(self.engine.loaded, cpu_images, images[:count])
+
+    def _bare_media(self) -> None:
+        """Media settings and targets without an engine (the NVDEC call carries no llguidance
+        to load one): a fixed target of ~448x448 pixels for photos and frames."""
+        from vlmq.config.settings import MediaSettings
+        from vlmq.workers.media.image import Downscale
+
+        self.media_settings = MediaSettings(
+            local_roots=[str(self.plan.workdir.resolve())], cache_bytes=0
+        )
+        target = Downscale(max_pixels=448 * 448)
+        self.targets = (target, target)
+
+    def _nvdec(self, pool: Pool, media: Media) -> None:
+        from bench.gpu_device_media import video_lines
+
+        plan, settings = self.plan, self.media_settings
+        assert settings is not None
+        clips = [c.read_bytes() for c in media.clips[0][: max(1, min(4, plan.clips))]]
+        device = plan.device if plan.cuda else "cpu"
+        self.report.device_media += video_lines(
+            clips,
+            settings,
+            self.targets[1],
+            device,
+            plan.clip_seconds,
+            pool,
+            plan.procs,
+            plan.repeats,
+        )
+
     # (d) ---------------------------------------------------------------------------------------
     def _busy(self, pool: Pool, media: Media) -> None:
         for round_ in range(self.plan.repeats):
@@ -1158,7 +1215,7 @@ def _busy_table(report: Report) -> list[str]:
 def render(report: Report) -> str:
     lines = ["## GPU media check", "", *_header(report)]
     lines += _decode_table(report) + _pixel_tables(report) + _video_table(report)
-    lines += _busy_table(report)
+    lines += _busy_table(report) + report.device_media
     if report.notes:
         lines += ["", "Notes:", ""] + [f"- {s}" for s in report.notes]
     if report.failed:
@@ -1202,6 +1259,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--time-budget-s", type=float, default=None, help="default 420 (80 with --cpu-smoke)")
     add("--workdir", type=Path, default=None, help="default .vlmq/gpu-media")
     add("--write", default=None, help="markdown file (default bench/GPU.md; '' for none)")
+    add("--nvdec-only", action="store_true", help="only (e)'s video figures, no engine")
     return parser
 
 
@@ -1236,6 +1294,7 @@ def plan_from_args(argv: Sequence[str]) -> Plan:
         write=Path(write) if write else None,
         smoke=smoke,
         command=shlex.join(["python", "-m", "bench.gpu_media", *argv]),
+        nvdec_only=args.nvdec_only,
         **values,
     )
 

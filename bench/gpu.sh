@@ -82,9 +82,9 @@ fi
 
 if [[ "${1:-}" == "--media" ]]; then
     shift
-    echo "[$(date +%H:%M:%S)] PYTHONPATH=$PYTHONPATH $PYTHON -m bench.gpu_media $*"
-    exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
-        "$PYTHON" -m bench.gpu_media "$@"
+    echo "[$(date +%H:%M:%S)] PYTHONPATH=$PYTHONPATH $PYTHON -m bench.gpu_media ${progress[*]} $*"
+    exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-405}" \
+        "$PYTHON" -m bench.gpu_media "${progress[@]}" "$@"
 fi
 
 echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench ${progress[*]} $*"

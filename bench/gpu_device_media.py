@@ -199,6 +199,7 @@ def video_lines(
     def on_cores() -> int:
         return sum(pool.map(_cpu_clip, jobs, chunksize=1))
 
+    on_cores()  # warm-up: the processes' first import of PyAV and the decoders
     rates = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -24,9 +24,10 @@ processes while it builds (1080p JPEG photos, 20 s 720p H.264 clips at 30 fps, G
     accelerator is the GPU (real generate) where CUDA is, else the simulated H200-like one.
 
 Medians of ``--repeats`` rounds with their spread; distinct media each round, the media cache
-off. A time budget (``--time-budget-s``, default 420 s) skips and names what would not fit; the
-table (bench/GPU.md, ``<!-- gpu-media -->``; --cpu-smoke: under --workdir) is rewritten after
-every step, so a run cut short still leaves what it measured.
+off. A time budget (``--time-budget-s``, default 360 s; gpu.sh stops the run at 405 s, so a
+call stays under 7 minutes) skips and names what would not fit; the table (bench/GPU.md,
+``<!-- gpu-media -->``; --cpu-smoke: under --workdir) is rewritten after every step, so a run
+cut short still leaves what it measured. (e), issue 36's figures: bench/gpu_device_media.py.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ GPU_DEFAULTS: dict[str, Any] = {
     "repeats": 3,
     "procs": _cores(),
     "threads": max(1, _cores() - 1),  # the worker's default preprocess_workers
-    "time_budget_s": 420.0,
+    "time_budget_s": 360.0,
     "workdir": Path(".vlmq/gpu-media"),
 }
 SMOKE_DEFAULTS: dict[str, Any] = {
@@ -159,6 +160,7 @@ class Plan:
     smoke: bool
     command: str
     nvdec_only: bool = False  # the NVDEC call (.whl-nvdec): no engine, only (e)'s video
+    progress: Path | None = None  # progress lines also go here, line by line ($OUT)
 
     @property
     def cuda(self) -> bool:
@@ -556,7 +558,7 @@ class Runner:
         from bench.gpu_bench import Budget, Clock
 
         self.plan = plan
-        self.clock = Clock()
+        self.clock = Clock(progress=plan.progress)
         self.budget = Budget(self.clock, plan.time_budget_s)
         self.report = Report(plan)
         self.engine: Any = None
@@ -1256,10 +1258,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=None, help="default 3")
     add("--procs", type=int, default=None, help="prepare processes (default: cores)")
     add("--threads", type=int, default=None, help="the worker's prepare threads (cores - 1)")
-    add("--time-budget-s", type=float, default=None, help="default 420 (80 with --cpu-smoke)")
+    add("--time-budget-s", type=float, default=None, help="default 360 (80 with --cpu-smoke)")
     add("--workdir", type=Path, default=None, help="default .vlmq/gpu-media")
     add("--write", default=None, help="markdown file (default bench/GPU.md; '' for none)")
     add("--nvdec-only", action="store_true", help="only (e)'s video figures, no engine")
+    add("--progress", type=Path, default=None, help="also write progress lines to this file")
     return parser
 
 
@@ -1295,6 +1298,7 @@ def plan_from_args(argv: Sequence[str]) -> Plan:
         smoke=smoke,
         command=shlex.join(["python", "-m", "bench.gpu_media", *argv]),
         nvdec_only=args.nvdec_only,
+        progress=args.progress,
         **values,
     )
 

@@ -289,3 +289,42 @@ def test_photo_route_is_the_cpu_unless_on_and_on_a_gpu(monkeypatch: pytest.Monke
     assert photo_device(MediaSettings(device_decode="auto"), "cuda:0") is None
     monkeypatch.setattr(device_module, "cuda_available", lambda: True)
     assert photo_device(MediaSettings(device_decode="auto"), "cuda:0") == "cuda:0"
+
+
+def test_device_photos_go_through_the_loader_and_straight_to_the_processor() -> None:
+    """The loader caches a device photo (keyed apart from the CPU's pixels), and the runner
+    hands its tensor, named for the processor cache, to the processor as it is."""
+    from vlmq.workers.engine.runner import processor_media
+    from vlmq.workers.media.devpixels import DevicePhoto, DevicePhotoDecoder
+    from vlmq.workers.media.prepared.pixels import KEY_ATTRIBUTE
+
+    data = encode(_photo((320, 240), 5), "JPEG", quality=90)
+    source = "data:image/jpeg;base64," + __import__("base64").b64encode(data).decode()
+    loader = MediaLoader(SETTINGS, cache=MediaCache(64 * 1024 * 1024))
+    decoder = DevicePhotoDecoder("cpu")
+    photo = loader.load_image(source, TARGET, decoder=decoder)
+    assert isinstance(photo, DevicePhoto)
+    reference = decode_image(data, SETTINGS, TARGET)
+    assert photo.size == reference.size and photo.nbytes == reference.width * reference.height * 3
+    assert loader.load_image(source, TARGET, decoder=decoder) is photo  # cached
+    assert isinstance(loader.load_image(source, TARGET), Image.Image)  # the CPU's: apart
+    conversation = [{"role": "user", "content": [{"type": "image", "image": photo}]}]
+    (message,) = processor_media(conversation)
+    tensor = message["content"][0]["image"]
+    assert tensor is photo.tensor and getattr(tensor, KEY_ATTRIBUTE) == photo.key
+
+
+def test_the_preparer_picks_device_photos_only_with_the_processor_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vlmq.config.settings import EngineSettings
+    from vlmq.workers.engine.prepare import _image_decoder
+    from vlmq.workers.media.devpixels import DevicePhotoDecoder
+
+    engine = EngineSettings(processor_device="auto", image_processor_backend="torchvision")
+    assert _image_decoder(engine, MediaSettings(), "cuda:0") is None  # default: off
+    monkeypatch.setattr(device_module, "cuda_available", lambda: True)
+    on = MediaSettings(device_decode="auto")
+    chosen = _image_decoder(engine, on, "cuda:0")
+    assert isinstance(chosen, DevicePhotoDecoder) and chosen.device == "cuda:0"
+    assert _image_decoder(engine, on, "cpu") is None

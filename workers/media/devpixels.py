@@ -229,3 +229,62 @@ def photo_device(settings: MediaSettings, processor_device: str | None) -> str |
         chosen, why = processor_device, "nvJPEG, resized and normalised on the device"
     log.info("photo decode route: %s (%s)", chosen or "cpu", why)
     return chosen
+
+
+class DevicePhoto:
+    """A decoded photo left on the device: a ``(3, H, W)`` uint8 tensor at the processor's
+    target. The loader caches it like any image (``nbytes``), the runner hands the tensor to
+    the processor on the same device, and its ``key`` (the source bytes' digest and the
+    target) names its processor output, so nothing hashes its pixels back on the host."""
+
+    def __init__(self, tensor: Any, key: str) -> None:
+        from vlmq.workers.media.prepared.pixels import KEY_ATTRIBUTE
+
+        self.tensor = tensor
+        self.key = key
+        setattr(tensor, KEY_ATTRIBUTE, key)
+
+    @property
+    def height(self) -> int:
+        return int(self.tensor.shape[-2])
+
+    @property
+    def width(self) -> int:
+        return int(self.tensor.shape[-1])
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return (self.width, self.height)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel())
+
+    mode = "RGB"
+
+    def tobytes(self) -> bytes:
+        """Interleaved RGB bytes, as ``PIL.Image.tobytes``: a copy to the host (tests, tools)."""
+        return bytes(self.tensor.permute(1, 2, 0).contiguous().cpu().numpy().tobytes())
+
+
+class DevicePhotoDecoder:
+    """The loader's image decoder when the processor runs on a GPU: the photo decoded,
+    resized and left on ``device`` (``decode_to_device``), its fallbacks included. Its pixels
+    are keyed apart from the CPU decoder's and never go to the frame store (device memory)."""
+
+    name = "nvjpeg-device"
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def decode(
+        self, data: bytes, settings: MediaSettings, downscale: Downscale | None
+    ) -> DevicePhoto:
+        import hashlib
+
+        out = decode_to_device([data], settings, [downscale], self.device)
+        if 0 in out.errors:
+            raise out.errors[0]
+        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+        target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
+        return DevicePhoto(out.images[0], f"device:{digest}:{target}")

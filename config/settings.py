@@ -258,8 +258,9 @@ class MediaSettings(BaseModel):
         "cpu",
         pattern="^(auto|cpu|cuda)$",
         description="Decode on the model's GPU: cuda (JPEG images through nvJPEG whenever CUDA "
-        "is there), auto (per item by rule: workers/media/device.py) or cpu (the reference; "
-        "bit-exact). Device decode is not bit-exact and unmeasured here, so it is opt-in.",
+        "is there; videos of media.device_video_codecs through NVDEC), auto (per item by rule: "
+        "workers/media/devpixels.py, nvdec.py) or cpu (the reference; CPU machines unchanged). "
+        "Device decode is not bit-exact and falls back to the CPU per item, so it is opt-in.",
     )
     device_video_min_height: int = Field(
         720,

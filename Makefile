@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format settings-docs bench gpu-wheels clean
+.PHONY: help setup setup-vllm demo test test-quick coverage test-unit test-integration test-e2e test-faults test-vllm lint format settings-docs bench gpu-wheels gpu-wheels-nvdec clean
 
 ## help: list the targets
 help:
@@ -91,9 +91,16 @@ bench: setup
 # the checks run in one process. llguidance: the engine builds its constraint view at load (its
 # wheel is manylinux_2_31: glibc 2.31 or newer; Python 3.12.3 there is Ubuntu 24.04's).
 # nvidia-ml-py: NVML's utilisation for the GPU-busy figures (torch.cuda.utilization).
-GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 \
+# prometheus-client: the device decoders count their routes (workers/media/devpixels.py).
+GPU_BASE_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 \
 	python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 av==18.1.0 \
-	zstandard==0.25.0 xxhash==4.1.0 llguidance==1.9.1 nvidia-ml-py==13.615.71
+	nvidia-ml-py==13.615.71 prometheus-client==0.26.0
+GPU_WHEELS := $(GPU_BASE_WHEELS) zstandard==0.25.0 xxhash==4.1.0 llguidance==1.9.1
+# The NVDEC call's set (`bash bench/gpu.sh --media --nvdec-only`): pynvvideocodec (25.6 MiB)
+# does not fit beside the full set under a call's 64 MiB, so it rides with the base set only
+# (PyAV makes the clips and is the CPU reference; no engine is loaded, so no llguidance).
+GPU_NVDEC_WHEELS := $(GPU_BASE_WHEELS) pynvvideocodec==2.2.4
+GPU_NVDEC_WHEELS_DIR := .whl-nvdec
 GPU_WHEELS_DIR := .whl
 GPU_WHEELS_MAX_MIB := 60
 GPU_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
@@ -108,6 +115,10 @@ gpu-wheels:
 	 echo "gpu-wheels: $$(ls $(GPU_WHEELS_DIR)/*.whl | wc -l) wheels, $$(awk "BEGIN {printf \"%.2f\", $$bytes / 1048576}") MiB in $(GPU_WHEELS_DIR)/ (limit $(GPU_WHEELS_MAX_MIB) MiB)"; \
 	 if [ $$bytes -gt $$(( $(GPU_WHEELS_MAX_MIB) * 1048576 )) ]; then \
 	   echo "gpu-wheels: over $(GPU_WHEELS_MAX_MIB) MiB: too large to travel with a device call" >&2; exit 1; fi
+
+## gpu-wheels-nvdec: the NVDEC call's wheels (pynvvideocodec + the base set) into .whl-nvdec/; fails over 63 MiB (a call carries 64)
+gpu-wheels-nvdec:
+	$(MAKE) gpu-wheels GPU_WHEELS="$(GPU_NVDEC_WHEELS)" GPU_WHEELS_DIR=$(GPU_NVDEC_WHEELS_DIR) GPU_WHEELS_MAX_MIB=63
 
 ## clean: remove run and tool caches (not the virtualenv)
 clean:

@@ -13,6 +13,7 @@
 #   bash bench/gpu.sh --engines       # HF vs vLLM (bench.engines --size real), where vllm imports
 #   bash bench/gpu.sh --media         # media on the GPU and the prepare tier (bench.gpu_media)
 #   bash bench/gpu.sh --media --cpu-smoke
+#   bash bench/gpu.sh --media --nvdec-only   # NVDEC vs the cores only; carry .whl-nvdec/
 #
 # Every mode runs on the GPU machine's image as it is: `make gpu-wheels` (here) puts the wheels
 # it lacks (pydantic, pydantic-settings, av, zstandard, xxhash, llguidance, nvidia-ml-py) in
@@ -42,15 +43,23 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 
 # The GPU machine's image lacks pydantic, PyAV, llguidance, pynvml...: install the wheels that
 # `make gpu-wheels` put in .whl/ into a temporary target, first on PYTHONPATH.
+# The NVDEC call (--media --nvdec-only) carries .whl-nvdec/ (`make gpu-wheels-nvdec`:
+# pynvvideocodec with the base set) instead: both sets do not fit in one call's 64 MiB.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PYTHON" -c 'import pydantic, pydantic_settings, av, zstandard, xxhash, llguidance, pynvml' 2>/dev/null; then
-    wheels=(.whl/*.whl)
+wheel_dir=.whl
+needed='pydantic, pydantic_settings, av, zstandard, xxhash, llguidance, pynvml, prometheus_client'
+if [[ " $* " == *" --nvdec-only "* ]]; then
+    wheel_dir=.whl-nvdec
+    needed='pydantic, pydantic_settings, av, pynvml, prometheus_client, PyNvVideoCodec'
+fi
+if ! "$PYTHON" -c "import $needed" 2>/dev/null; then
+    wheels=("$wheel_dir"/*.whl)
     if [[ ! -e "${wheels[0]}" ]]; then
-        echo "gpu.sh: $PYTHON lacks pydantic, pydantic-settings, av, zstandard, xxhash, llguidance or pynvml and .whl/ has no wheels: run 'make gpu-wheels' where pip works" >&2
+        echo "gpu.sh: $PYTHON lacks one of $needed and $wheel_dir/ has no wheels: run 'make gpu-wheels' (or 'make gpu-wheels-nvdec') where pip works" >&2
         exit 2
     fi
     site="${VLMQ_GPU_SITE:-/tmp/vlmq-site}"
-    echo "[$(date +%H:%M:%S)] installing ${#wheels[@]} wheels from .whl/ into $site"
+    echo "[$(date +%H:%M:%S)] installing ${#wheels[@]} wheels from $wheel_dir/ into $site"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
     export PYTHONPATH="$site:$PYTHONPATH"
 fi
@@ -73,9 +82,9 @@ fi
 
 if [[ "${1:-}" == "--media" ]]; then
     shift
-    echo "[$(date +%H:%M:%S)] PYTHONPATH=$PYTHONPATH $PYTHON -m bench.gpu_media $*"
-    exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-470}" \
-        "$PYTHON" -m bench.gpu_media "$@"
+    echo "[$(date +%H:%M:%S)] PYTHONPATH=$PYTHONPATH $PYTHON -m bench.gpu_media ${progress[*]} $*"
+    exec timeout --kill-after=15 "${VLMQ_GPU_HARD_TIMEOUT_S:-405}" \
+        "$PYTHON" -m bench.gpu_media "${progress[@]}" "$@"
 fi
 
 echo "[$(date +%H:%M:%S)] $PYTHON -m bench.gpu_bench ${progress[*]} $*"

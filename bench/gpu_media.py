@@ -24,9 +24,10 @@ processes while it builds (1080p JPEG photos, 20 s 720p H.264 clips at 30 fps, G
     accelerator is the GPU (real generate) where CUDA is, else the simulated H200-like one.
 
 Medians of ``--repeats`` rounds with their spread; distinct media each round, the media cache
-off. A time budget (``--time-budget-s``, default 420 s) skips and names what would not fit; the
-table (bench/GPU.md, ``<!-- gpu-media -->``; --cpu-smoke: under --workdir) is rewritten after
-every step, so a run cut short still leaves what it measured.
+off. A time budget (``--time-budget-s``, default 360 s; gpu.sh stops the run at 405 s, so a
+call stays under 7 minutes) skips and names what would not fit; the table (bench/GPU.md,
+``<!-- gpu-media -->``; --cpu-smoke: under --workdir) is rewritten after every step, so a run
+cut short still leaves what it measured. (e), issue 36's figures: bench/gpu_device_media.py.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ GPU_DEFAULTS: dict[str, Any] = {
     "repeats": 3,
     "procs": _cores(),
     "threads": max(1, _cores() - 1),  # the worker's default preprocess_workers
-    "time_budget_s": 420.0,
+    "time_budget_s": 360.0,
     "workdir": Path(".vlmq/gpu-media"),
 }
 SMOKE_DEFAULTS: dict[str, Any] = {
@@ -158,6 +159,8 @@ class Plan:
     write: Path | None
     smoke: bool
     command: str
+    nvdec_only: bool = False  # the NVDEC call (.whl-nvdec): no engine, only (e)'s video
+    progress: Path | None = None  # progress lines also go here, line by line ($OUT)
 
     @property
     def cuda(self) -> bool:
@@ -241,6 +244,7 @@ class Report:
     video: list[VideoRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     busy: dict[tuple[str, str], list[BusyRun]] = field(default_factory=dict)
+    device_media: list[str] = field(default_factory=list)  # (e): bench/gpu_device_media.py
     skipped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -554,7 +558,7 @@ class Runner:
         from bench.gpu_bench import Budget, Clock
 
         self.plan = plan
-        self.clock = Clock()
+        self.clock = Clock(progress=plan.progress)
         self.budget = Budget(self.clock, plan.time_budget_s)
         self.report = Report(plan)
         self.engine: Any = None
@@ -615,12 +619,18 @@ class Runner:
         pool = multiprocessing.get_context("spawn").Pool(plan.procs, initializer=warm_up)
         try:
             media = self._media(pool)
-            if self._engine() and media is not None:
+            if plan.nvdec_only:
+                if media is not None and self._wait_media():
+                    self._bare_media()
+                    self._step("nvdec", "(e) NVDEC video", lambda: self._nvdec(pool, media))
+            elif self._engine() and media is not None:
                 self._step(
                     "decode", "(a)+(b) JPEG decode and pixel error", lambda: self._decode(media)
                 )
                 self._step("agree", "(b) greedy agreement", lambda: self._agreement(media))
                 self._step("video", "(c) video decode", lambda: self._video(media))
+                self._step("device", "(e) photos on the device", lambda: self._photos(media))
+                self._step("nvdec", "(e) NVDEC video", lambda: self._nvdec(pool, media))
                 self._busy(pool, media)
         finally:
             pool.terminate()
@@ -929,6 +939,55 @@ class Runner:
         ]
         self.report.pixels.append(pixel_row(f"clip frames: torchcodec on {device} vs PyAV", pairs))
 
+    # (e) ---------------------------------------------------------------------------------------
+    def _photos(self, media: Media) -> None:
+        from bench.gpu_device_media import logits_lines, photo_lines
+        from vlmq.workers.media.image import decode_image
+
+        plan, settings = self.plan, self.media_settings
+        assert settings is not None
+        device = plan.device if plan.cuda else "cpu"
+        datas = [p.read_bytes() for p in media.decode]
+        lines, images = photo_lines(
+            datas, settings, self.targets[0], device, plan.jpeg_batch, plan.repeats
+        )
+        self.report.device_media += lines
+        self._publish()
+        count = max(1, plan.agree)
+        cpu_images = [decode_image(d, settings, self.targets[0]) for d in datas[:count]]
+        self.clock.say("(e) logits agreement")
+        self.report.device_media += logits_lines(self.engine.loaded, cpu_images, images[:count])
+
+    def _bare_media(self) -> None:
+        """Media settings and targets without an engine (the NVDEC call carries no llguidance
+        to load one): a fixed target of ~448x448 pixels for photos and frames."""
+        from vlmq.config.settings import MediaSettings
+        from vlmq.workers.media.image import Downscale
+
+        self.media_settings = MediaSettings(
+            local_roots=[str(self.plan.workdir.resolve())], cache_bytes=0
+        )
+        target = Downscale(max_pixels=448 * 448)
+        self.targets = (target, target)
+
+    def _nvdec(self, pool: Pool, media: Media) -> None:
+        from bench.gpu_device_media import video_lines
+
+        plan, settings = self.plan, self.media_settings
+        assert settings is not None
+        clips = [c.read_bytes() for c in media.clips[0][: max(1, min(4, plan.clips))]]
+        device = plan.device if plan.cuda else "cpu"
+        self.report.device_media += video_lines(
+            clips,
+            settings,
+            self.targets[1],
+            device,
+            plan.clip_seconds,
+            pool,
+            plan.procs,
+            plan.repeats,
+        )
+
     # (d) ---------------------------------------------------------------------------------------
     def _busy(self, pool: Pool, media: Media) -> None:
         for round_ in range(self.plan.repeats):
@@ -1158,7 +1217,7 @@ def _busy_table(report: Report) -> list[str]:
 def render(report: Report) -> str:
     lines = ["## GPU media check", "", *_header(report)]
     lines += _decode_table(report) + _pixel_tables(report) + _video_table(report)
-    lines += _busy_table(report)
+    lines += _busy_table(report) + report.device_media
     if report.notes:
         lines += ["", "Notes:", ""] + [f"- {s}" for s in report.notes]
     if report.failed:
@@ -1199,9 +1258,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=None, help="default 3")
     add("--procs", type=int, default=None, help="prepare processes (default: cores)")
     add("--threads", type=int, default=None, help="the worker's prepare threads (cores - 1)")
-    add("--time-budget-s", type=float, default=None, help="default 420 (80 with --cpu-smoke)")
+    add("--time-budget-s", type=float, default=None, help="default 360 (80 with --cpu-smoke)")
     add("--workdir", type=Path, default=None, help="default .vlmq/gpu-media")
     add("--write", default=None, help="markdown file (default bench/GPU.md; '' for none)")
+    add("--nvdec-only", action="store_true", help="only (e)'s video figures, no engine")
+    add("--progress", type=Path, default=None, help="also write progress lines to this file")
     return parser
 
 
@@ -1236,6 +1297,8 @@ def plan_from_args(argv: Sequence[str]) -> Plan:
         write=Path(write) if write else None,
         smoke=smoke,
         command=shlex.join(["python", "-m", "bench.gpu_media", *argv]),
+        nvdec_only=args.nvdec_only,
+        progress=args.progress,
         **values,
     )
 

@@ -260,8 +260,9 @@ class MediaSettings(BaseModel):
         "cpu",
         pattern="^(auto|cpu|cuda)$",
         description="Decode on the model's GPU: cuda (JPEG images through nvJPEG whenever CUDA "
-        "is there), auto (per item by rule: workers/media/device.py) or cpu (the reference; "
-        "bit-exact). Device decode is not bit-exact and unmeasured here, so it is opt-in.",
+        "is there; videos of media.device_video_codecs through NVDEC), auto (per item by rule: "
+        "workers/media/devpixels.py, nvdec.py) or cpu (the reference; CPU machines unchanged). "
+        "Device decode is not bit-exact and falls back to the CPU per item, so it is opt-in.",
     )
     device_video_min_height: int = Field(
         720,
@@ -274,6 +275,18 @@ class MediaSettings(BaseModel):
         ge=0,
         description="auto's video rule: CUDA decoding only for samples at least this dense "
         "per second of video (sparse seeks are faster on the CPU).",
+    )
+    device_video_codecs: list[str] = Field(
+        default_factory=lambda: ["h264", "hevc"],
+        description="auto's video rule: codecs (FFmpeg names) sent to the GPU's hardware "
+        "decoder (NVDEC: workers/media/nvdec.py); any other stays on the CPU (AV1 falls back "
+        "to software on Hopper). A JSON list.",
+    )
+    device_jpeg_batch: int = Field(
+        32,
+        ge=1,
+        description="Photos decoded together in one nvJPEG batch on the device "
+        "(workers/media/devpixels.py).",
     )
     frame_store: FrameStoreSettings = Field(
         default_factory=FrameStoreSettings,

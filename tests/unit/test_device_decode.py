@@ -184,3 +184,147 @@ def test_a_cpu_model_prepares_byte_for_byte_the_cpu_way(checkpoint: Any, tmp_pat
     assert image.tobytes() == decode_image(photo.read_bytes(), media, target).tobytes()
     engine.close()
     assert device_module.cuda_available() is torch.cuda.is_available()
+
+
+# --- photos that stay on the device (devpixels), run with device="cpu" -----------------------
+
+
+def _photo(size: tuple[int, int], seed: int) -> Image.Image:
+    """A photo-like image: smooth gradients with some texture (JPEG's usual content)."""
+    width, height = size
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    rng = np.random.default_rng(seed)
+    channels = [127 + 100 * np.sin(xx / (17 + 5 * c) + yy / (23 + 3 * c) + seed) for c in range(3)]
+    noise = rng.normal(0, 6, (height, width, 3))
+    array = np.clip(np.stack(channels, axis=-1) + noise, 0, 255).astype(np.uint8)
+    return Image.fromarray(array, "RGB")
+
+
+def _cmyk_jpeg() -> bytes:
+    return encode(_photo((64, 48), 1).convert("CMYK"), "JPEG")
+
+
+def test_device_path_matches_the_cpu_reference_within_jpeg_noise() -> None:
+    from vlmq.workers.media.devpixels import decode_to_device, pixel_error
+
+    datas = [encode(_photo((640, 480), seed), "JPEG", quality=90) for seed in range(4)]
+    out = decode_to_device(datas, SETTINGS, [TARGET] * len(datas), "cpu")
+    assert out.routes == ["device"] * 4 and not out.errors
+    errors = []
+    for data, image in zip(datas, out.images, strict=True):
+        assert image.dtype == torch.uint8 and image.device.type == "cpu"
+        reference = decode_image(data, SETTINGS, TARGET)
+        assert tuple(image.shape) == (3, reference.height, reference.width)
+        errors.append(pixel_error(image, reference))
+    mean = float(np.mean([e[0] for e in errors]))
+    p99 = float(np.max([e[1] for e in errors]))
+    # The reference decodes at a JPEG draft scale and resizes with Pillow; the device path
+    # decodes in full and resizes with torchvision: close, never identical.
+    assert mean < 3.0, errors
+    assert p99 < 24, errors
+
+
+def test_items_nvjpeg_cannot_take_fall_back_one_by_one_and_are_counted() -> None:
+    from vlmq.workers.media.devpixels import DEVICE_DECODES, decode_to_device
+
+    good = encode(_photo((96, 64), 2), "JPEG")
+    progressive = encode(_photo((96, 64), 3), "JPEG", progressive=True)
+    png = encode(_photo((96, 64), 4), "PNG")
+    corrupt = good[: len(good) // 2]
+    before = {r: DEVICE_DECODES.labels(result=r)._value.get() for r in ("device", "cmyk")}
+    datas = [good, _rotated_jpeg(), _cmyk_jpeg(), progressive, png, corrupt]
+    out = decode_to_device(datas, SETTINGS, [None] * len(datas), "cpu")
+    assert out.routes[:5] == ["device", "exif", "cmyk", "progressive", "format"]
+    assert out.routes[5] in ("corrupt", "device")  # a truncated tail may still parse a header
+    assert set(out.errors) == {5} and isinstance(out.errors[5], MediaDecodeFailed)
+    for i in range(5):
+        reference = np.asarray(decode_image(datas[i], SETTINGS, None))
+        assert out.images[i].permute(1, 2, 0).shape == reference.shape
+    # Fallback items are the CPU reference itself, exactly.
+    for i in (1, 2, 3, 4):
+        reference = np.asarray(decode_image(datas[i], SETTINGS, None))
+        assert np.array_equal(out.images[i].permute(1, 2, 0).numpy(), reference)
+    assert DEVICE_DECODES.labels(result="device")._value.get() == before["device"] + 1
+    assert DEVICE_DECODES.labels(result="cmyk")._value.get() == before["cmyk"] + 1
+
+
+def test_a_failing_batch_is_retried_item_by_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlmq.workers.media.devpixels import decode_to_device
+
+    real = torchvision.io.decode_jpeg
+    calls: list[int] = []
+
+    def batch_fails(data: Any, **kwargs: Any) -> Any:
+        calls.append(len(data) if isinstance(data, list) else 1)
+        if isinstance(data, list):
+            raise RuntimeError("nvjpeg batch")
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", batch_fails)
+    datas = [encode(_photo((64, 48), s), "JPEG") for s in range(3)]
+    out = decode_to_device(datas, SETTINGS, [None] * 3, "cpu")
+    assert calls == [3, 1, 1, 1]
+    assert out.routes == ["device"] * 3 and not out.errors
+
+
+def test_normalise_on_the_device_matches_the_processor_formula() -> None:
+    from vlmq.workers.media.devpixels import normalise
+
+    image = torch.tensor([[[0, 255]], [[128, 64]], [[255, 0]]], dtype=torch.uint8)
+    mean, std = (0.5, 0.4, 0.3), (0.25, 0.5, 0.2)
+    out = normalise(image, mean, std)
+    expected = (image.float() / 255 - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(
+        3, 1, 1
+    )
+    assert out.dtype == torch.float32 and torch.allclose(out, expected)
+    assert normalise(image, mean, std, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_photo_route_is_the_cpu_unless_on_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlmq.workers.media.devpixels import photo_device
+
+    assert photo_device(MediaSettings(), "cuda:0") is None  # default: CPU machines unchanged
+    assert photo_device(MediaSettings(device_decode="auto"), None) is None
+    monkeypatch.setattr(device_module, "cuda_available", lambda: False)
+    assert photo_device(MediaSettings(device_decode="auto"), "cuda:0") is None
+    monkeypatch.setattr(device_module, "cuda_available", lambda: True)
+    assert photo_device(MediaSettings(device_decode="auto"), "cuda:0") == "cuda:0"
+
+
+def test_device_photos_go_through_the_loader_and_straight_to_the_processor() -> None:
+    """The loader caches a device photo (keyed apart from the CPU's pixels), and the runner
+    hands its tensor, named for the processor cache, to the processor as it is."""
+    from vlmq.workers.engine.runner import processor_media
+    from vlmq.workers.media.devpixels import DevicePhoto, DevicePhotoDecoder
+    from vlmq.workers.media.prepared.pixels import KEY_ATTRIBUTE
+
+    data = encode(_photo((320, 240), 5), "JPEG", quality=90)
+    source = "data:image/jpeg;base64," + __import__("base64").b64encode(data).decode()
+    loader = MediaLoader(SETTINGS, cache=MediaCache(64 * 1024 * 1024))
+    decoder = DevicePhotoDecoder("cpu")
+    photo = loader.load_image(source, TARGET, decoder=decoder)
+    assert isinstance(photo, DevicePhoto)
+    reference = decode_image(data, SETTINGS, TARGET)
+    assert photo.size == reference.size and photo.nbytes == reference.width * reference.height * 3
+    assert loader.load_image(source, TARGET, decoder=decoder) is photo  # cached
+    assert isinstance(loader.load_image(source, TARGET), Image.Image)  # the CPU's: apart
+    conversation = [{"role": "user", "content": [{"type": "image", "image": photo}]}]
+    (message,) = processor_media(conversation)
+    tensor = message["content"][0]["image"]
+    assert tensor is photo.tensor and getattr(tensor, KEY_ATTRIBUTE) == photo.key
+
+
+def test_the_preparer_picks_device_photos_only_with_the_processor_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vlmq.config.settings import EngineSettings
+    from vlmq.workers.engine.prepare import _image_decoder
+    from vlmq.workers.media.devpixels import DevicePhotoDecoder
+
+    engine = EngineSettings(processor_device="auto", image_processor_backend="torchvision")
+    assert _image_decoder(engine, MediaSettings(), "cuda:0") is None  # default: off
+    monkeypatch.setattr(device_module, "cuda_available", lambda: True)
+    on = MediaSettings(device_decode="auto")
+    chosen = _image_decoder(engine, on, "cuda:0")
+    assert isinstance(chosen, DevicePhotoDecoder) and chosen.device == "cuda:0"
+    assert _image_decoder(engine, on, "cpu") is None

@@ -64,6 +64,25 @@ def test_smoke_runs_every_section(smoke: tuple[Report, str]) -> None:
     assert "Status: complete" in written
     for heading in ("(a) JPEG decode", "(b) GPU decode", "(c) video decode", "(d) accelerator"):
         assert heading in written
+    for heading in ("(e) Photos on the device", "(e) Video:", "Logits, device-decoded"):
+        assert heading in written
+
+
+def test_device_media_reports_pixel_error_logits_and_frame_rates(
+    smoke: tuple[Report, str],
+) -> None:
+    """(e): the device path's pixel error is small, the logits agree on the CPU (fp32), the
+    cores' frame rate is measured and the hardware decoder's absence is said, not hidden."""
+    import re
+
+    report, _ = smoke
+    text = "\n".join(report.device_media)
+    error = re.search(r"mean ([0-9.]+), p99 ([0-9]+)", text)
+    assert error is not None and float(error.group(1)) < 3 and int(error.group(2)) < 24
+    agree = re.search(r"top-1 agrees on (\d+)/(\d+)", text)
+    assert agree is not None and agree.group(1) == agree.group(2)
+    assert re.search(r"CPU reference \(PyAV, exact\), 1 processes \| [0-9.]+ ", text)
+    assert "skipped: neither PyNvVideoCodec nor torchcodec imports here" in text
 
 
 def test_device_decode_is_close_to_the_cpu_reference(smoke: tuple[Report, str]) -> None:

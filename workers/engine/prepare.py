@@ -25,7 +25,8 @@ from vlmq.config.errors import (
 from vlmq.config.schemas import ImagePart, Request, TextPart, VideoPart
 from vlmq.config.settings import EngineSettings, MediaSettings
 from vlmq.workers.engine.estimate import estimate_prompt_tokens
-from vlmq.workers.engine.model import LoadedModel
+from vlmq.workers.engine.hostcopy import pin_buffers
+from vlmq.workers.engine.model import LoadedModel, processor_device
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import (
     DecodedVideo,
@@ -37,6 +38,7 @@ from vlmq.workers.media import (
     image_bytes,
 )
 from vlmq.workers.media.device import device_image_decoder
+from vlmq.workers.media.devpixels import DevicePhotoDecoder, photo_device
 
 if TYPE_CHECKING:
     from vlmq.workers.engine.constraints import GrammarBook
@@ -154,6 +156,18 @@ def visual_downscale(processor: Any) -> tuple[Downscale | None, Downscale | None
     )
 
 
+def _image_decoder(
+    engine: EngineSettings, media: MediaSettings, model_device: str
+) -> ImageDecoder | None:
+    """Photos decoded and left on the processor's GPU when the processor runs there and device
+    decoding is on (``devpixels``); else nvJPEG brought back to the host where allowed
+    (``device.py``); None: the CPU reference."""
+    on = photo_device(media, processor_device(engine, model_device))
+    if on is not None:
+        return DevicePhotoDecoder(on)
+    return device_image_decoder(media, model_device)
+
+
 class Preparer:
     """Turns requests into collatable conversations, fetching media concurrently."""
 
@@ -179,7 +193,10 @@ class Preparer:
             targets if media.downscale_at_decode else (None, None)
         )
         # nvJPEG on the model's GPU when media.device_decode allows it; None: the CPU path.
-        self.image_decoder: ImageDecoder | None = device_image_decoder(media, loaded.device)
+        self.image_decoder: ImageDecoder | None = _image_decoder(engine, media, loaded.device)
+        if loader.frames is not None and loaded.device.startswith("cuda"):
+            # Frame-store reads into pinned memory: the copy to the device does not block.
+            pin_buffers(loader.frames.buffers)
 
     def prepare_all(self, requests: list[Request]) -> list[Prepared]:
         futures = [self.pool.submit(self.prepare, request) for request in requests]

@@ -1,4 +1,5 @@
-"""Media for VLM requests: fetch (with SSRF, size and time limits) and decode.
+"""The media loader: fetch (with SSRF, size and time limits) and decode, through the cache
+and the frame store.
 
 Usage::
 
@@ -26,6 +27,7 @@ from PIL import Image
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.cache import MediaCache, Versions, content_key, version_key
+from vlmq.workers.media.devpixels import DevicePhoto
 from vlmq.workers.media.fetch import MediaFetcher, MediaKind
 from vlmq.workers.media.image import Downscale, check_image_pixels, decode_image, to_rgb
 from vlmq.workers.media.netpolicy import Resolver
@@ -69,11 +71,11 @@ class ImageDecoder(Protocol):
 
     def decode(
         self, data: bytes, settings: MediaSettings, downscale: Downscale | None
-    ) -> Image.Image: ...
+    ) -> Image.Image | DevicePhoto: ...
 
 
-def image_bytes(image: Image.Image | Pixels) -> int:
-    if isinstance(image, Pixels):
+def image_bytes(image: Image.Image | Pixels | DevicePhoto) -> int:
+    if isinstance(image, Pixels | DevicePhoto):
         return image.nbytes
     return image.width * image.height * len(image.getbands())
 
@@ -155,7 +157,7 @@ class MediaLoader:
         tenant: str | None = None,
         decoder: ImageDecoder | None = None,
         prepared: bool = False,
-    ) -> Image.Image | Pixels:
+    ) -> Image.Image | Pixels | DevicePhoto:
         """An RGB image from a source string, or an in-process PIL image; read back from the
         frame store, one frame of ``Pixels``. ``decoder`` (a device decoder) replaces the CPU
         one; its pixels are keyed apart. ``prepared``: the task goes through the prepare
@@ -167,7 +169,7 @@ class MediaLoader:
         _require_str(source)
         name = decoder.name if decoder is not None else "cpu"
         decode = decoder.decode if decoder is not None else decode_image
-        image: Image.Image | Pixels = self._load(
+        image: Image.Image | Pixels | DevicePhoto = self._load(
             source,
             "image",
             lambda data: decode(data, self.settings, downscale),
@@ -288,7 +290,8 @@ class MediaLoader:
         if data is None:
             data = self.fetcher.fetch(source, kind)
         media = self._decoded(decode, data)
-        if scope.storable(source, data):
+        # Device photos stay in device memory: the store holds host pixels only.
+        if scope.storable(source, data) and not isinstance(media, DevicePhoto):
             scope.store.put(key, cast(PreparedMedia, media))
         return media
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,8 +53,13 @@ class BufferPool:
     reuse (the oldest free buffers are let go past it); 0 keeps none. Thread-safe: a
     buffer comes back in whichever thread drops the last reference to it."""
 
-    def __init__(self, max_free_bytes: int) -> None:
+    def __init__(
+        self, max_free_bytes: int, allocate: Callable[[int], np.ndarray] | None = None
+    ) -> None:
         self.max_free_bytes = max_free_bytes
+        # New blocks: plain host memory, or pinned memory on a CUDA worker (the engine's
+        # hostcopy.pin_buffers), so a frame-store read is copied to the device asynchronously.
+        self.allocate: Callable[[int], np.ndarray] = allocate or _host_block
         self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self._free_bytes = 0
         self._lock = threading.Lock()
@@ -86,7 +92,7 @@ class BufferPool:
                 self.reused += 1
                 return block
             self.allocated += 1
-        return np.empty(size, np.uint8)
+        return self.allocate(size)
 
     def _give_back(self, block: np.ndarray) -> None:
         size = block.nbytes
@@ -102,6 +108,10 @@ class BufferPool:
                 if not blocks:
                     del self._free[oldest]
                 self._free_bytes -= oldest
+
+
+def _host_block(size: int) -> np.ndarray:
+    return np.empty(size, np.uint8)
 
 
 def _size_class(nbytes: int) -> int:

@@ -1,4 +1,5 @@
--- uses common.lua: call_many, csv_set, is_fed_id, now, plain, read_many, stamp
+-- uses common.lua: call_many, csv_set, is_fed_id, now, plain, read_many, stamp;
+--      tenants.lua: queued_by, quota_add
 -- intake and leases: pull, renew, acknowledge, give back, reap; workers' records ----------
 -- The bookkeeping of held messages, always KEYS[1..5] of these commands: inflight hash (id ->
 -- raw message), leases zset (id -> deadline), origin-queue hash, origin-active hash (the

@@ -96,7 +96,7 @@ def test_the_window_holds_redis_flat_while_a_job_ten_times_it_drains(settings):
 _SLOW_FEEDER = """
 import sys, time
 from vlmq.config.settings import Settings
-from vlmq.broker.state.jobs import Feeds
+from vlmq.broker.state.feeds import Feeds
 from vlmq.producers.bulk import feeder_for
 from vlmq.producers.client import Client
 

@@ -29,10 +29,13 @@ import redis as redis_py
 
 from vlmq.broker.scripts import REPLAY_TTL_S, Scripts, Wait
 from vlmq.broker.state.events import Events
-from vlmq.broker.state.intake import Intake, Leases, NamedLeases, WorkerRecords
-from vlmq.broker.state.jobs import Feeds, Jobs
+from vlmq.broker.state.feeds import Feeds
+from vlmq.broker.state.intake import Intake, Leases
+from vlmq.broker.state.jobs import Jobs
+from vlmq.broker.state.locks import NamedLeases
 from vlmq.broker.state.tasks import Tasks
 from vlmq.broker.state.tenants import Tenants
+from vlmq.broker.state.workers import WorkerRecords
 from vlmq.config.ids import FED_ID
 from vlmq.config.keys import Keys
 from vlmq.config.status import TaskState

@@ -7,17 +7,13 @@ lease ran out, their holder died (:class:`Leases`). Every deadline is computed i
 and each delivery carries a token (the task's delivery count at pull): renew, start, settle and
 give-back are refused for a holder that was superseded, so its result never becomes the
 task's. The pull also decides which task a message is (``lua/intake.lua``, identity): the
-worker takes that id and reads no other from the message. Workers' heartbeat records
-(:class:`WorkerRecords`) live here too: the heartbeat is what renews the leases.
+worker takes that id and reads no other from the message.
+Workers' heartbeat records, which renew these leases, are ``workers.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import secrets
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +31,7 @@ __all__ = [
     "Delivery",
     "Intake",
     "Leases",
-    "NamedLeases",
     "Pull",
-    "WorkerRecords",
     "first_lists",
 ]
 
@@ -223,83 +217,3 @@ class Leases:
         """Put back messages whose holder stopped renewing their lease (by Redis's clock)."""
         args = [limit, self.keys.task_prefix]
         return int(self.scripts("reap", self.keys.bookkeeping(), args))
-
-
-class WorkerRecords:
-    """Workers' heartbeat records (``vlmq healthcheck worker``), pruned when silent."""
-
-    def __init__(self, redis: redis_py.Redis, scripts: Scripts, keys: Keys) -> None:
-        self.redis = redis
-        self.scripts = scripts
-        self.keys = keys
-
-    def announce(self, name: str, record: Mapping[str, Any], forget_after_s: float) -> int:
-        """Write ``name``'s record, and drop those of workers silent for ``forget_after_s``
-        (they died without a clean stop); returns how many were dropped."""
-        args = [name, json.dumps(record, separators=(",", ":")), forget_after_s]
-        return int(self.scripts("announce", self._keys(), args))
-
-    def retire(self, name: str) -> None:
-        """A clean stop takes the record away."""
-        self.scripts("retire", self._keys(), [name])
-
-    def all(self) -> dict[str, dict[str, Any]]:
-        raw: dict[str, str] = self.redis.hgetall(self.keys.workers())  # type: ignore[assignment]
-        return {name: json.loads(record) for name, record in raw.items()}
-
-    def _keys(self) -> list[str]:
-        return [self.keys.workers(), self.keys.workers_heard()]
-
-
-class NamedLeases:
-    """One holder at a time of a named activity (an API process feeding or finalizing a
-    batch): taken with a token of the holder's own, renewed while it works, released only by
-    its owner. A holder that dies leaves a lease that lapses."""
-
-    def __init__(self, redis: redis_py.Redis, scripts: Scripts) -> None:
-        self.redis = redis
-        self.scripts = scripts
-
-    def take(self, key: str, ttl_s: float) -> str | None:
-        """The lease's token if the caller got it (a retried take finds its own token)."""
-        token = secrets.token_hex(8)
-        if self.redis.set(key, token, nx=True, ex=max(1, int(ttl_s))):
-            return token
-        return token if self.redis.get(key) == token else None
-
-    def renew(self, key: str, token: str, ttl_s: float) -> bool:
-        """Extend it; False when the caller no longer owns it."""
-        return bool(self.scripts("renew_named", [key], [token, max(1, int(ttl_s))]))
-
-    def release(self, key: str, token: str) -> None:
-        self.scripts("release_named", [key], [token])
-
-    def held(self, key: str) -> bool:
-        return bool(self.redis.exists(key))
-
-    @contextlib.contextmanager
-    def holding(self, key: str, ttl_s: float) -> Iterator[bool]:
-        """Take the lease and keep it (renewed every third of ``ttl_s``) while the block runs;
-        yields whether it was taken. The block runs as long as it needs: its lease never
-        lapses under a live holder."""
-        token = self.take(key, ttl_s)
-        if token is None:
-            yield False
-            return
-        stop = threading.Event()
-        renewer = threading.Thread(
-            target=self._keep, args=(key, token, ttl_s, stop), name="lease-renewal", daemon=True
-        )
-        renewer.start()
-        try:
-            yield True
-        finally:
-            stop.set()
-            renewer.join()
-            with contextlib.suppress(redis_py.RedisError):
-                self.release(key, token)
-
-    def _keep(self, key: str, token: str, ttl_s: float, stop: threading.Event) -> None:
-        while not stop.wait(max(0.1, ttl_s / 3)):
-            with contextlib.suppress(redis_py.RedisError):
-                self.renew(key, token, ttl_s)

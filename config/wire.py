@@ -82,11 +82,6 @@ def priority_lists(queue: str) -> list[str]:
     return [queue if step == 0 else f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
 
 
-def list_for_priority(queue: str, priority: int) -> str:
-    step = max(s for s in PRIORITY_STEPS if s <= max(0, min(priority, 9)))
-    return priority_lists(queue)[PRIORITY_STEPS.index(step)]
-
-
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 _EMBED_JSON = json.dumps(_EMBED, separators=(",", ":"))

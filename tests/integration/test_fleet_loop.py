@@ -8,6 +8,7 @@ import time
 from typing import Any, ClassVar
 
 import pytest
+import redis as redis_py
 from celery import Celery
 
 from tests.support.services import wait_until
@@ -78,15 +79,33 @@ def make_loop(
 
 
 class Running:
+    """A loop run as WorkerService runs it: the batch loop on one thread, its heartbeat (lease
+    renewals, every third of a lease) on another. Without the heartbeat a loop holds nothing
+    past its first batch: it sees its renewals stalled and stops pulling (renewals.py)."""
+
     def __init__(self, loop):
         self.loop = loop
         self.thread = threading.Thread(target=loop.run_forever, daemon=True)
+        self.stopped = threading.Event()
+        self.beat = threading.Thread(target=self._heartbeat, daemon=True)
+
+    def _heartbeat(self):
+        interval = max(0.2, self.loop.fleet.lease_s / 3)
+        while not self.stopped.wait(interval):
+            try:
+                self.loop.heartbeat()
+            except redis_py.RedisError:  # a test that stops Redis: waited out, as the service does
+                continue
 
     def __enter__(self):
+        self.loop.heartbeat()
         self.thread.start()
+        self.beat.start()
         return self.loop
 
     def __exit__(self, *exc):
+        self.stopped.set()
+        self.beat.join(10)
         self.loop.stop()
         self.thread.join(10)
         self.loop.shutdown(10)

@@ -166,19 +166,10 @@ class S3Store(ObjectStore):
         return data
 
     def get(self, url_or_key: str) -> dict[str, Any] | None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            reply = self.client.get_object(
-                Bucket=self.bucket, Key=self._full(self.key_of(url_or_key))
-            )
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise StoreUnavailable("the results store could not be read") from exc
-        except BotoCoreError as exc:
-            raise StoreUnavailable("the results store could not be read") from exc
-        result: dict[str, Any] = json.loads(reply["Body"].read())
+        data = self.get_blob(self.key_of(url_or_key))
+        if data is None:
+            return None
+        result: dict[str, Any] = json.loads(data)
         return result
 
     def info(self, key: str) -> ObjectInfo | None:

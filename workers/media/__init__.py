@@ -7,23 +7,20 @@ use are re-exported here.
 
 from __future__ import annotations
 
+from vlmq.workers.media.cache import MediaCache
+from vlmq.workers.media.fetch import MediaFetcher, MediaKind
+from vlmq.workers.media.image import Downscale, decode_image
 from vlmq.workers.media.loader import (
-    DecodedVideo,
-    Downscale,
-    FrameStore,
     ImageDecoder,
     LoadCounts,
-    MediaCache,
-    MediaFetcher,
-    MediaKind,
     MediaLoader,
-    Pixels,
-    decode_image,
-    decode_video,
     frames_bytes,
     image_bytes,
     video_bytes,
 )
+from vlmq.workers.media.prepared.framestore import FrameStore
+from vlmq.workers.media.prepared.pixels import Pixels
+from vlmq.workers.media.video import DecodedVideo, decode_video
 
 __all__ = [
     "DecodedVideo",

@@ -40,18 +40,9 @@ from vlmq.workers.media.video import DecodedVideo, Sampling, decode_video, resol
 T = TypeVar("T")
 
 __all__ = [
-    "DecodedVideo",
-    "Downscale",
-    "FrameStore",
     "ImageDecoder",
     "LoadCounts",
-    "MediaCache",
-    "MediaFetcher",
-    "MediaKind",
     "MediaLoader",
-    "Pixels",
-    "decode_image",
-    "decode_video",
     "frames_bytes",
     "image_bytes",
     "video_bytes",

@@ -46,6 +46,7 @@ __all__ = [
     "device_image_decoder",
     "image_route",
     "is_jpeg",
+    "resized_on_device",
     "torchcodec_available",
     "video_route",
 ]
@@ -172,7 +173,7 @@ def _nvjpeg(
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in datas]
     decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
     return [
-        _to_host(_resized(image, downscale))
+        _to_host(resized_on_device(image, downscale))
         for image, downscale in zip(decoded, downscales, strict=True)
     ]
 
@@ -182,19 +183,21 @@ def _header_size(data: bytes) -> tuple[int, int]:
         return img.size
 
 
-def _resized(image: Any, downscale: Downscale | None) -> Any:
-    """(3, H, W) uint8 on the device, resized (bicubic, antialiased) to the target."""
+def resized_on_device(pixels: Any, downscale: Downscale | None) -> Any:
+    """(..., 3, H, W) uint8 on its device (one image or a stack of frames), resized
+    (bicubic, antialiased: the CPU reference's filter) to the processor's target; never
+    larger than the source."""
     from torchvision.transforms.v2 import InterpolationMode
     from torchvision.transforms.v2 import functional as tvf
 
-    height, width = int(image.shape[-2]), int(image.shape[-1])
+    height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
     target = downscale.size_for((width, height)) if downscale is not None else (width, height)
     if target == (width, height):
-        return image
+        return pixels
     resized = tvf.resize(
-        image.float(), [target[1], target[0]], InterpolationMode.BICUBIC, antialias=True
+        pixels.float(), [target[1], target[0]], InterpolationMode.BICUBIC, antialias=True
     )
-    return resized.round_().clamp_(0, 255).to(image.dtype)
+    return resized.round_().clamp_(0, 255).to(pixels.dtype)
 
 
 def _to_host(image: Any) -> Image.Image:

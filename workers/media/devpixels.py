@@ -33,6 +33,7 @@ from prometheus_client import Counter
 from vlmq.config.errors import MediaDecodeFailed, VlmqError
 from vlmq.config.media_checks import check_image_pixels
 from vlmq.config.settings import MediaSettings
+from vlmq.workers.media.device import resized_on_device
 from vlmq.workers.media.image import Downscale, decode_image
 
 __all__ = [
@@ -108,7 +109,7 @@ def decode_to_device(
             errors[i] = exc
             on_device.remove(i)
     for i, image in _decode_batch(datas, on_device, device, routes).items():
-        images[i] = _resized(image, downscales[i])
+        images[i] = resized_on_device(image, downscales[i])
     for i, route in enumerate(routes):
         if route != "device" and i not in errors:
             try:
@@ -150,22 +151,6 @@ def _decode_batch(
 def _header_size(data: bytes) -> tuple[int, int]:
     with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
         return img.size
-
-
-def _resized(image: Any, downscale: Downscale | None) -> Any:
-    """(3, H, W) uint8 on its device, resized (bicubic, antialiased: the CPU reference's
-    filter) to the processor's target; never larger than the source."""
-    from torchvision.transforms.v2 import InterpolationMode
-    from torchvision.transforms.v2 import functional as tvf
-
-    height, width = int(image.shape[-2]), int(image.shape[-1])
-    target = downscale.size_for((width, height)) if downscale is not None else (width, height)
-    if target == (width, height):
-        return image
-    resized = tvf.resize(
-        image.float(), [target[1], target[0]], InterpolationMode.BICUBIC, antialias=True
-    )
-    return resized.round_().clamp_(0, 255).to(image.dtype)
 
 
 def _reference_on(

@@ -44,7 +44,7 @@ from prometheus_client import Counter
 from vlmq.config.errors import MediaDecodeFailed, VlmqError
 from vlmq.config.media_checks import open_video_container
 from vlmq.config.settings import MediaSettings
-from vlmq.workers.media.device import Route
+from vlmq.workers.media.device import Route, resized_on_device
 from vlmq.workers.media.image import Downscale
 from vlmq.workers.media.video import Sampling, decode_video, plan_sample_times
 
@@ -180,7 +180,7 @@ def decode_on_device(
         indices = [min(int(t * info.fps + 1e-6), info.total_frames - 1) for t in times]
         try:
             frames = backend.frames_at(data, times, indices, device)
-            frames = _resized(frames, downscale)
+            frames = resized_on_device(frames, downscale)
         except VlmqError:
             raise
         except Exception as exc:
@@ -223,22 +223,6 @@ def _on_cpu(
         video.height,
         route,
     )
-
-
-def _resized(frames: Any, downscale: Downscale | None) -> Any:
-    """(N, 3, H, W) uint8 resized on its device to the processor's target (bicubic,
-    antialiased); never larger than the source."""
-    from torchvision.transforms.v2 import InterpolationMode
-    from torchvision.transforms.v2 import functional as tvf
-
-    height, width = int(frames.shape[-2]), int(frames.shape[-1])
-    target = downscale.size_for((width, height)) if downscale is not None else (width, height)
-    if target == (width, height):
-        return frames
-    resized = tvf.resize(
-        frames.float(), [target[1], target[0]], InterpolationMode.BICUBIC, antialias=True
-    )
-    return resized.round_().clamp_(0, 255).to(frames.dtype)
 
 
 # --- the decoders ---------------------------------------------------------------------------

@@ -56,6 +56,10 @@ class LaggyLink:
     def pause(self) -> None:
         self._flowing.clear()
 
+    def resume(self) -> None:
+        """Delivers what a pause held, in order, and carries on."""
+        self._flowing.set()
+
     def cut(self) -> None:
         self._cut.set()
         self._flowing.set()  # wake the writers: they see the cut and drop what they hold
@@ -332,6 +336,11 @@ class SentinelCluster:
         reaches no replica (until :meth:`fail_master` drops it)."""
         for link in self.links:
             link.pause()
+
+    def resume_replication(self) -> None:
+        """The links deliver what they held since :meth:`pause_replication`."""
+        for link in self.links:
+            link.resume()
 
     def fail_master(self, port: int | None = None) -> float:
         """The master's host dies: its replication links are cut (what they carry is lost)

@@ -13,6 +13,7 @@ had not been acknowledged yet). Used by ``tests/faults/test_sentinel.py`` (CI si
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,48 @@ def _guarded(fn: Any, default: Any) -> Any:
         return default
 
 
+def _pulled_not_settled(conn: redis.Redis, ids: list[str]) -> dict[str, int]:
+    """Tasks delivered and not yet terminal, with their delivery counts."""
+    rows = State(conn, Keys()).tasks.many(ids, ("state", "deliveries"))
+    return {
+        task: _deliveries(row)
+        for task, row in zip(ids, rows, strict=True)
+        if _deliveries(row) and row.get("state") not in TERMINAL_STATES
+    }
+
+
+def _any_settled(conn: redis.Redis, ids: list[str]) -> bool:
+    rows = State(conn, Keys()).tasks.many(ids, ("state",))
+    return any(row.get("state") in TERMINAL_STATES for row in rows)
+
+
+def _pause_before_a_kept_pull_settles(
+    cluster: SentinelCluster, master: redis.Redis, replicas: list[DataNode], ids: list[str]
+) -> None:
+    """Pauses replication and returns once the master has settled, after the pause, a task
+    whose pull every replica holds: the lost settle the repair must mend. Under load a
+    replica can lag by a whole pull (its links still carrying it at the pause); then the
+    pause is lifted and taken again."""
+    for _ in range(40):
+        cluster.pause_replication()
+        time.sleep(0.1)  # a chunk being written when the links paused lands
+        held = _pulled_not_settled(master, ids)
+        for node in replicas:
+            with node.connect() as conn:
+                kept = _pulled_not_settled(conn, list(held))
+            held = {task: n for task, n in held.items() if kept.get(task) == n}
+        if held:
+            settled = functools.partial(_any_settled, master, list(held))
+            try:
+                wait_until(settled, timeout=10, interval=0.001, what="a kept pull settled")
+                return
+            except TimeoutError:
+                pass
+        cluster.resume_replication()
+        time.sleep(0.2)
+    raise TimeoutError("no task pulled before a pause settled after it in 40 tries")
+
+
 def _first_settle_after(h: SentinelHarness, ids: list[str], at: float) -> float | None:
     rows = _guarded(lambda: h.client.state.tasks.many(ids, ("finished_at",)), [])
     after = [float(r["finished_at"]) for r in rows if r.get("finished_at")]
@@ -144,14 +187,11 @@ def sentinel_failover(
     cluster = h.cluster
     old = cluster.master_port() or cluster.master.port
     replicas = [n for n in cluster.nodes if n.port != old]
-    # Replication stops (the links hold what they carry); right after the next settle lands on
-    # the master (its job's succeeded counter moves) the master's host dies. That settle, and
+    # Replication stops (the links hold what they carry); right after the master settles a
+    # task whose pull every replica already holds, the master's host dies. That settle, and
     # whatever else the master wrote since the pause, reached no replica.
     with cluster.node(old).connect() as conn:
-        key = Keys().job(job)
-        cluster.pause_replication()
-        seen = conn.hget(key, "succeeded")  # read after the pause: what moves it is held
-        wait_until(lambda: conn.hget(key, "succeeded") != seen, timeout=60, interval=0.001)
+        _pause_before_a_kept_pull_settles(cluster, conn, replicas, ids)
         at_kill = State(conn, Keys()).tasks.many(ids, ("state", "deliveries"))
         killed_at = cluster.fail_master(old)
     killed_mono = time.monotonic()

@@ -208,6 +208,31 @@ def test_a_task_cancelled_while_held_is_let_go_at_start(settings):
     assert (status["total"], status["counts"]["cancelled"], status["state"]) == (2, 2, "cancelled")
 
 
+def test_a_run_its_live_holder_outlived_is_counted_once_and_read_at_pull(settings) -> None:
+    """Issue 38: a holder whose lease lapsed while it ran says so when its settle is refused;
+    the next pull reads the count (the poison verdict counts attempts less outlived runs)."""
+    client = Client(settings)
+    task = client.submit(_text(0))
+    intake, leases, tasks = client.state.intake("text"), client.state.leases, client.state.tasks
+    (first,) = intake.pull(1, 0).deliveries  # its lease lapses at once: a starved holder
+    start = Move(task, TaskState.RUNNING, {}, first.token, "started_at", True)
+    assert tasks.moves([start])[0].moved
+    assert tasks.outlived({task: first.token}) == 0  # still its delivery: nothing outlived
+    assert leases.reap() == 1
+    (second,) = intake.pull(1, 0).deliveries  # another worker's now
+    assert second.status.get("outlived") is None
+    assert tasks.outlived({task: first.token}) == 1
+    assert tasks.outlived({task: first.token}) == 0  # a resend counts nothing
+    assert leases.reap() == 1
+    (third,) = intake.pull(1, 60).deliveries
+    assert third.status["outlived"] == "1"
+    assert tasks.outlived({task: second.token}) == 1
+    assert tasks.outlived({task: first.token}) == 0  # older than one counted: not again
+    leases.give_back({task: third.token})
+    (fourth,) = intake.pull(1, 60).deliveries
+    assert fourth.status["outlived"] == "2"
+
+
 # pre-start deaths -----------------------------------------------------------------------------
 
 

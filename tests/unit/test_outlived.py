@@ -31,9 +31,12 @@ class Tasks(DeadLetters):
         return [{"worker": self.worker} for _ in task_ids]
 
 
-def _delivery(task_id: str) -> Delivery:
+def _delivery(task_id: str, outlived: int = 0) -> Delivery:
     raw = encode_message(REQUEST, task_id, "vlmq.text", ignore_result=False)
-    return Delivery(task_id, raw, 4, {"attempts": "3", "returns": "0"})
+    status = {"attempts": "3", "returns": "0"}
+    if outlived:
+        status["outlived"] = str(outlived)
+    return Delivery(task_id, raw, 4, status)
 
 
 def _triage(last_worker: str) -> tuple[Triage, RecordingSettler, Tasks]:
@@ -68,3 +71,13 @@ def test_a_task_whose_last_run_was_another_process_is_dead_lettered() -> None:
         assert [s.record["error"]["code"] for s in settler.submitted] == ["dead_lettered"]
         assert len(tasks.letters) == 1
         settler.close()
+
+
+def test_a_run_another_live_worker_outlived_is_not_a_death() -> None:
+    """Three runs, one of them outlived by its (live) worker elsewhere: two deaths, under the
+    limit of 3, so it runs again; with none outlived it is dead-lettered (above)."""
+    triage, settler, tasks = _triage("other")
+    admitted = triage.admit(Pull([_delivery("t", outlived=1)], time.time()))
+    assert [w.task_id for w in admitted] == ["t"]
+    assert tasks.letters == [] and settler.submitted == []
+    settler.close()

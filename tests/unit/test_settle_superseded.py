@@ -18,8 +18,15 @@ from vlmq.workers.fleet.settle import Settlement, Settler
 class SupersededTasks:
     """Every move refused: a later delivery (token 2) has each task."""
 
+    def __init__(self) -> None:
+        self.outlived_calls: list[dict[str, int]] = []
+
     def settle(self, moves: Sequence[Move], usage: Any = None) -> list[Moved]:
         return [Moved(m.task_id, "running", False, False, "2", m.token or 0) for m in moves]
+
+    def outlived(self, tokens: dict[str, int]) -> int:
+        self.outlived_calls.append(dict(tokens))
+        return len(tokens)
 
 
 class KeysAtWarning(logging.Handler):
@@ -54,3 +61,19 @@ def test_a_superseded_holder_reports_its_discard_once_its_objects_are_gone(tmp_p
         settler.close()
     assert handler.seen == [("3 results of superseded deliveries discarded", [])]
     assert store.keys("j") == []
+
+
+def test_runs_a_superseded_holder_finished_are_said_to_be_outlived_not_died(tmp_path):
+    """Issue 38: a live worker whose lease lapsed while the engine ran its task says so once
+    its settle is refused, so the task's poison verdict does not count that run; a task it
+    failed before any engine ran it (no attempt counted) is not said."""
+    store = FileStore(f"file://{tmp_path}")
+    ran = Settlement({"id": "ran", "job_id": "j"}, TaskState.SUCCEEDED, {}, 1, ran=True)
+    unrun = Settlement({"id": "unrun", "job_id": "j"}, TaskState.FAILED, {}, 1)
+    tasks = SupersededTasks()
+    settler = Settler(store, cast(Tasks, tasks), Held(), LoopObserver(), 2, 1.0)
+    try:
+        settler.finish_many([ran, unrun])
+    finally:
+        settler.close()
+    assert tasks.outlived_calls == [{"ran": 1}]

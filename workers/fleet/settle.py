@@ -97,6 +97,7 @@ class Settlement:
     state: TaskState
     fields: dict[str, Any]
     token: int
+    ran: bool = False  # an engine ran it in this delivery (its attempt was counted)
 
     @property
     def task_id(self) -> str:
@@ -285,6 +286,7 @@ class Settler:
             # Logged once its objects are gone, so the line reports a finished discard.
             log.warning("%d results of superseded deliveries discarded", len(lost))
             self.observer.superseded([s.task_id for s, _ in lost])
+            self._outlived({s.task_id: s.token for s, done in lost if s.ran and done.superseded})
         self._remove(
             [
                 result_key(s.task_id, s.record.get("job_id"), delivery)
@@ -292,6 +294,19 @@ class Settler:
                 for delivery in range(1, s.token)
             ]
         )
+
+    def _outlived(self, tokens: dict[str, int]) -> None:
+        """Runs this live worker finished after another holder took their task (its leases
+        lapsed while they ran: a starved host) are not deaths: said once, so the task's
+        poison verdict does not count them. Best effort: unsaid, a run counts as a death."""
+        if not tokens:
+            return
+        try:
+            counted = self.tasks.outlived(tokens)
+        except TRANSIENT_REDIS_ERRORS as exc:
+            log.warning("Redis %s: %d outlived runs not counted", _name(exc), len(tokens))
+            return
+        log.warning("%d runs outlived their leases here (counted as not died)", counted)
 
     def stored(self, wanted: Sequence[tuple[str, str | None, int]]) -> list[Stored | None]:
         """Per (task id, job id, token): the newest result an earlier delivery of that task

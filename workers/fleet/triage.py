@@ -165,10 +165,10 @@ class Triage:
         if self._expired(item, now):
             self.fail(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
             return False
-        if item.attempts >= self.fleet.max_deliveries and not self._outlived_here(item):
+        if item.deaths >= self.fleet.max_deliveries and not self._outlived_here(item):
             reason = (
-                f"ran {item.attempts} times without finishing (limit "
-                f"{self.fleet.max_deliveries}); its worker died each time"
+                f"ran {item.attempts} times without finishing, its worker dying "
+                f"{item.deaths} times (limit {self.fleet.max_deliveries})"
             )
             self._dead_letter(item, DeadLettered(reason))
             return False

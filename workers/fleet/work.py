@@ -54,6 +54,13 @@ class Work:
             return 0
 
     @property
+    def deaths(self) -> int:
+        """Runs that ended without finishing because their holder died: attempts less those
+        whose holder outlived them (alive, its lease lapsed while it ran: ``outlived``)."""
+        outlived = self.delivery.status.get("outlived") or "0"
+        return self.attempts - (int(outlived) if outlived.isdigit() else 0)
+
+    @property
     def first_run(self) -> bool:
         """Never handed to an engine before this delivery (its attempt was counted as it
         started)."""
@@ -121,7 +128,7 @@ def result_settlement(item: Work, result: Result, worker: str) -> Settlement:
         "error_code": error.get("code"),
         "error_message": error.get("message"),
     }
-    return Settlement(record, state, fields, item.token)
+    return Settlement(record, state, fields, item.token, ran="started_at" in item.status)
 
 
 def failure_settlement(

@@ -69,7 +69,7 @@ end
 -- for a task delivered before, how its earlier deliveries ended (workers/fleet/work.py).
 local STATUS_FIELDS = {'state', 'attempts', 'job_id', 'queued_at', 'expires_at', 'tenant', 'tag'}
 local TAG = #STATUS_FIELDS
-local REDELIVERY_FIELDS = {'alone', 'returns'}
+local REDELIVERY_FIELDS = {'alone', 'returns', 'outlived'}
 
 -- The status fields of a row: the first six, and for a redelivery (token above 1) the
 -- redelivery fields after them.
@@ -77,7 +77,7 @@ local function row_status(key, status, n)
   status[TAG] = nil
   if n > 1 then
     local again = redis.call('HMGET', key, unpack(REDELIVERY_FIELDS))
-    status[TAG], status[TAG + 1] = again[1], again[2]
+    status[TAG], status[TAG + 1], status[TAG + 2] = again[1], again[2], again[3]
   end
   return status
 end

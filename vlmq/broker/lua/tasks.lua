@@ -274,6 +274,27 @@ function commands.mark_alone()
   return redis.call('HINCRBY', KEYS[1], 'alone', 1)
 end
 
+-- outlived: holders that ran a delivery and learned it was superseded while it ran (its lease
+-- lapsed on a starved host, and the task went to another holder) did not die; they say so,
+-- and that run is not counted toward the poison verdict (max_deliveries, workers/fleet/
+-- triage.py: attempts less 'outlived'). Once per delivery, safe to repeat: 'outlived_at' is
+-- the newest delivery counted, and an older one reported after it is not counted (the verdict
+-- errs toward a death). A task that ended (no hash) is left alone. KEYS: task hashes.
+-- ARGV: one token per key. Returns how many it counted.
+function commands.outlived()
+  local counted = 0
+  for i = 1, #KEYS do
+    local token = tonumber(ARGV[i + 1])
+    local h = redis.call('HMGET', KEYS[i], 'deliveries', 'outlived_at')
+    if h[1] and token < tonumber(h[1]) and token > (tonumber(h[2] or '0') or 0) then
+      redis.call('HSET', KEYS[i], 'outlived_at', ARGV[i + 1])
+      redis.call('HINCRBY', KEYS[i], 'outlived', 1)
+      counted = counted + 1
+    end
+  end
+  return counted
+end
+
 -- dead_letter: record why a task was given up (the dead-letter list keeps the newest `cap`).
 -- KEYS[1] dead-letter list. ARGV: record, cap. Called with a call id.
 function commands.dead_letter()

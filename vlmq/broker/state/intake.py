@@ -46,6 +46,7 @@ _STATUS_FIELDS = (
     "tenant",
     "alone",
     "returns",
+    "outlived",
 )
 _TERMINAL_CSV = ",".join(sorted(s.value for s in TERMINAL))
 

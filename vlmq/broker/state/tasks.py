@@ -210,6 +210,15 @@ class Tasks:
         delivery); returns the count."""
         return int(self.scripts("mark_alone", [self.keys.task(task_id)], [token]))
 
+    def outlived(self, tokens: Mapping[str, int]) -> int:
+        """Count, once per delivery, the runs of these deliveries (task id -> token) as
+        outlived, not died: their holder ran them, is alive, and was superseded (its lease
+        lapsed while it ran). Returns how many it counted."""
+        if not tokens:
+            return 0
+        keys = [self.keys.task(task_id) for task_id in tokens]
+        return int(self.scripts("outlived", keys, list(tokens.values())))
+
     def dead_letter(self, record: str, cap: int) -> None:
         """Keep why a task was given up (the newest ``cap`` records)."""
         self.scripts("dead_letter", [self.keys.dead_letters()], [record, cap])

@@ -17,6 +17,7 @@ import torch
 
 from tests.support.fake_videodecoder import FakeDecoders
 from tests.support.samples import make_video_bytes
+from vlmq.config.errors import MediaTooLarge
 from vlmq.config.schemas import Request
 from vlmq.config.settings import EngineSettings, FrameStoreSettings, MediaSettings
 from vlmq.stores.files import FileStore
@@ -173,6 +174,17 @@ def test_a_failing_clip_falls_back_to_the_cpu_frames_alone(clips: dict[str, Path
     assert failed.frame_indices == reference.frame_indices
     assert torch.equal(failed.frames.tensor, _stacked(reference.frames))  # the CPU's, exactly
     assert worked.frames.key != failed.frames.key
+
+
+def test_a_clip_over_the_size_limit_fails_before_the_device_decodes(
+    clips: dict[str, Path],
+) -> None:
+    settings = _media(clips, video_max_pixels_per_frame=128 * 96 - 1)
+    fake = FakeDecoders()
+    decoder = DeviceVideoDecoder("cpu", TorchCodecBackend(fake))
+    with pytest.raises(MediaTooLarge):
+        MediaLoader(settings).load_video(str(clips["a"]), 2.0, 8, TARGET, decoder=decoder)
+    assert fake.calls == []
 
 
 def test_device_frames_never_go_to_the_frame_store(clips: dict[str, Path], tmp_path: Path) -> None:

@@ -23,11 +23,13 @@ class FrameBatch:
 @dataclass
 class FakeDecoders:
     """The module: ``VideoDecoder`` built per clip; ``calls`` records each clip's sample times;
-    ``fail`` makes every decode raise (a device that breaks mid-run)."""
+    ``fail`` makes every decode raise (a device that breaks mid-run), ``fail_on`` only the
+    decodes of those clips' bytes (a stream the hardware decoder rejects)."""
 
     calls: list[list[float]] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
     fail: bool = False
+    fail_on: set[bytes] = field(default_factory=set)
 
     def VideoDecoder(self, source: bytes, device: str = "cpu", seek_mode: str = "exact") -> Any:
         self.devices.append(device)
@@ -40,7 +42,7 @@ class _Decoder:
 
     def get_frames_played_at(self, seconds: list[float]) -> FrameBatch:
         self.module.calls.append(list(seconds))
-        if self.module.fail:
+        if self.module.fail or self.source in self.module.fail_on:
             raise RuntimeError("CUDA error: the fake decoder fails")
         frames: list[tuple[float, np.ndarray]] = []
         last = max(seconds)

@@ -34,11 +34,13 @@ from vlmq.workers.media import (
     ImageDecoder,
     MediaLoader,
     Pixels,
+    VideoDecoder,
     frames_bytes,
     image_bytes,
 )
 from vlmq.workers.media.device import device_image_decoder
-from vlmq.workers.media.devpixels import DevicePhotoDecoder, photo_device
+from vlmq.workers.media.devpixels import DeviceFrames, DevicePhotoDecoder, photo_device
+from vlmq.workers.media.nvdec import device_video_decoder
 
 if TYPE_CHECKING:
     from vlmq.workers.engine.constraints import GrammarBook
@@ -85,10 +87,11 @@ def video_content(video: DecodedVideo) -> dict[str, Any]:
         "frames_indices": list(video.frame_indices),
     }
     frames = video.frames
-    # Pixels stay whole: the HF runner hands them to the processor as one tensor.
+    # Pixels and device frames stay whole: the HF runner hands them to the processor as one
+    # tensor.
     return {
         "type": "video",
-        "video": frames if isinstance(frames, Pixels) else list(frames),
+        "video": frames if isinstance(frames, Pixels | DeviceFrames) else list(frames),
         "metadata": metadata,
     }
 
@@ -106,7 +109,11 @@ def _taken(video: DecodedVideo, keep: list[int]) -> DecodedVideo:
     frames = video.frames
     return replace(
         video,
-        frames=frames.take(keep) if isinstance(frames, Pixels) else [frames[i] for i in keep],
+        frames=(
+            frames.take(keep)
+            if isinstance(frames, Pixels | DeviceFrames)
+            else [frames[i] for i in keep]
+        ),
         frame_indices=[video.frame_indices[i] for i in keep],
     )
 
@@ -168,6 +175,16 @@ def _image_decoder(
     return device_image_decoder(media, model_device)
 
 
+def _video_decoder(
+    engine: EngineSettings, media: MediaSettings, model_device: str
+) -> VideoDecoder | None:
+    """Clips' sampled frames decoded by NVDEC and left on the processor's GPU when the
+    processor runs there, device decoding is on and a hardware decoder imports (``nvdec``);
+    None: the CPU reference. vLLM's ``model_device`` ("vllm") never gets one: it takes frames
+    on the host."""
+    return device_video_decoder(media, processor_device(engine, model_device))
+
+
 class Preparer:
     """Turns requests into collatable conversations, fetching media concurrently."""
 
@@ -194,6 +211,8 @@ class Preparer:
         )
         # nvJPEG on the model's GPU when media.device_decode allows it; None: the CPU path.
         self.image_decoder: ImageDecoder | None = _image_decoder(engine, media, loaded.device)
+        # NVDEC on the processor's GPU under the same conditions (and a decoder installed).
+        self.video_decoder: VideoDecoder | None = _video_decoder(engine, media, loaded.device)
         if loader.frames is not None and loaded.device.startswith("cuda"):
             # Frame-store reads into pinned memory: the copy to the device does not block.
             pin_buffers(loader.frames.buffers)
@@ -351,6 +370,8 @@ class Preparer:
     def _load_videos(
         self, request: Request, tenant: str | None = None, prepared_media: bool = False
     ) -> list[DecodedVideo]:
+        # As for photos: prepared media are read back as the CPU decoder's frames.
+        decoder = None if prepared_media else self.video_decoder
         videos = [
             self._with_retry(
                 partial(
@@ -362,6 +383,7 @@ class Preparer:
                     part.video_sampling,
                     tenant,
                     prepared_media,
+                    decoder,
                 )
             )
             for part in request.parts("video")

@@ -48,7 +48,7 @@ from vlmq.workers.engine.model import LoadedModel, eos_token_ids
 from vlmq.workers.engine.prepare import Prepared
 from vlmq.workers.engine.slot_controls import RowSpec
 from vlmq.workers.engine.stops import StopTable
-from vlmq.workers.media.devpixels import DevicePhoto
+from vlmq.workers.media.devpixels import DeviceFrames, DevicePhoto
 from vlmq.workers.media.prepared.pixels import Pixels
 
 __all__ = ["BatchRunner", "Completion", "RowsTooLong", "free_device_memory", "row_specs"]
@@ -521,9 +521,11 @@ def _pinned(value: Any) -> Any:
 def processor_media(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation as the processor takes it: frames read back from the frame store
     (``Pixels``) become uint8 tensors over the same memory, channel-first as the
-    processors want them (no host copy); Pillow media stay as they are."""
+    processors want them (no host copy); photos and frames decoded on the device
+    (``DevicePhoto``, ``DeviceFrames``) are their tensors there; Pillow media stay as they
+    are."""
     if not any(
-        isinstance(part.get(part["type"]), Pixels | DevicePhoto)
+        isinstance(part.get(part["type"]), Pixels | DevicePhoto | DeviceFrames)
         for message in conversation
         for part in message["content"]
     ):
@@ -537,7 +539,7 @@ def processor_media(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _tensor_part(part: dict[str, Any]) -> dict[str, Any]:
     kind = part["type"]
     media = part.get(kind)
-    if isinstance(media, DevicePhoto):
+    if isinstance(media, DevicePhoto | DeviceFrames):
         return {**part, kind: media.tensor}  # on the processor's device already
     if not isinstance(media, Pixels):
         return part

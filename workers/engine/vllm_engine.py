@@ -44,6 +44,7 @@ from vlmq.workers.engine.placeholders import unwrapped
 from vlmq.workers.engine.prepare import Prepared, Preparer
 from vlmq.workers.engine.processors import ProcessorSet
 from vlmq.workers.media import MediaLoader, Pixels
+from vlmq.workers.media.devpixels import DeviceFrames
 
 if TYPE_CHECKING:
     from vlmq.workers.engine.engine import EngineStats
@@ -547,10 +548,12 @@ def _engine_dead(exc: BaseException) -> bool:
 
 
 def _channels_last(frames: Any) -> Any:
-    """A video's frames as vLLM takes them: ``(frames, height, width, 3)`` uint8."""
+    """A video's frames as vLLM takes them: ``(frames, height, width, 3)`` uint8 on the host
+    (its preparer has no device decoder: ``prepare._video_decoder``; frames on a device would
+    be brought back here)."""
     import numpy as np
 
-    if isinstance(frames, Pixels):
+    if isinstance(frames, Pixels | DeviceFrames):
         return frames.channels_last()
     return np.stack([np.asarray(frame.convert("RGB")) for frame in frames])
 

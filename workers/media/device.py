@@ -46,6 +46,7 @@ __all__ = [
     "device_image_decoder",
     "image_route",
     "is_jpeg",
+    "processor_gpu",
     "resized_on_device",
     "torchcodec_available",
     "video_route",
@@ -222,6 +223,19 @@ class NvJpegDecoder:
         if route.device == "cpu" or "JPEG" not in settings.image_formats:
             return decode_image(data, settings, downscale)
         return decode_jpegs([data], settings, [downscale], self.device)[0]
+
+
+def processor_gpu(settings: MediaSettings, processor_device: str | None) -> tuple[str | None, str]:
+    """The processor's GPU when media may be decoded and left there: device decoding on
+    (``auto`` or ``cuda``), the processor on a CUDA device and CUDA working; else None. With
+    why (the photo and video routes log it)."""
+    if settings.device_decode == "cpu":
+        return None, "media.device_decode=cpu"
+    if not (processor_device or "").startswith("cuda"):
+        return None, f"the processor runs on {processor_device or 'the CPU'}"
+    if not cuda_available():
+        return None, "CUDA is not available"
+    return processor_device, "the processor's GPU"
 
 
 def device_image_decoder(settings: MediaSettings, model_device: str) -> NvJpegDecoder | None:

@@ -17,13 +17,16 @@ go to the CPU reference one by one and are uploaded after it: the batch goes on.
 Everything takes a ``device`` argument, so the same code runs with ``device="cpu"``
 (torchvision's ``decode_jpeg`` decodes there too): the tests compare it with the CPU reference
 on machines with no GPU. torch and torchvision are imported only when a decode runs.
+
+Video frames decoded on the device (``nvdec.py``) are held the same way: ``DeviceFrames``, one
+``(frames, 3, H, W)`` tensor handed whole to the processor.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +41,14 @@ from vlmq.workers.media.image import Downscale, decode_image
 
 __all__ = [
     "DEVICE_DECODES",
+    "DeviceFrames",
     "DeviceImages",
+    "DevicePhoto",
+    "DevicePhotoDecoder",
     "decode_to_device",
     "fallback_reason",
     "normalise",
+    "photo_device",
     "pixel_error",
 ]
 
@@ -202,25 +209,18 @@ def _tally(routes: list[str]) -> dict[str, int]:
 def photo_device(settings: MediaSettings, processor_device: str | None) -> str | None:
     """Where photos are decoded for the model: the processor's device when device decoding is
     on (``auto`` or ``cuda``) and that device is a working GPU; None: the CPU path. Logged."""
-    from vlmq.workers.media.device import cuda_available
+    from vlmq.workers.media.device import processor_gpu
 
-    if settings.device_decode == "cpu":
-        chosen, why = None, "media.device_decode=cpu"
-    elif not (processor_device or "").startswith("cuda"):
-        chosen, why = None, f"the processor runs on {processor_device or 'the CPU'}"
-    elif not cuda_available():
-        chosen, why = None, "CUDA is not available"
-    else:
-        chosen, why = processor_device, "nvJPEG, resized and normalised on the device"
+    chosen, why = processor_gpu(settings, processor_device)
+    if chosen is not None:
+        why = "nvJPEG, resized and normalised on the device"
     log.info("photo decode route: %s (%s)", chosen or "cpu", why)
     return chosen
 
 
-class DevicePhoto:
-    """A decoded photo left on the device: a ``(3, H, W)`` uint8 tensor at the processor's
-    target. The loader caches it like any image (``nbytes``), the runner hands the tensor to
-    the processor on the same device, and its ``key`` (the source bytes' digest and the
-    target) names its processor output, so nothing hashes its pixels back on the host."""
+class _OnDevice:
+    """Pixels left on the device: a uint8 tensor, channel-first, its last two dimensions the
+    height and width; ``key`` names them (set on the tensor, for the processor-output cache)."""
 
     def __init__(self, tensor: Any, key: str) -> None:
         from vlmq.workers.media.prepared.pixels import KEY_ATTRIBUTE
@@ -246,6 +246,13 @@ class DevicePhoto:
         return int(self.tensor.numel())
 
     mode = "RGB"
+
+
+class DevicePhoto(_OnDevice):
+    """A decoded photo left on the device: a ``(3, H, W)`` uint8 tensor at the processor's
+    target. The loader caches it like any image (``nbytes``), the runner hands the tensor to
+    the processor on the same device, and its ``key`` (the source bytes' digest and the
+    target) names its processor output, so nothing hashes its pixels back on the host."""
 
     def tobytes(self) -> bytes:
         """Interleaved RGB bytes, as ``PIL.Image.tobytes``: a copy to the host (tests, tools)."""
@@ -273,3 +280,35 @@ class DevicePhotoDecoder:
         digest = hashlib.blake2b(data, digest_size=16).hexdigest()
         target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
         return DevicePhoto(out.images[0], f"device:{digest}:{target}")
+
+
+class DeviceFrames(_OnDevice):
+    """A clip's sampled frames left on the device: one ``(frames, 3, H, W)`` uint8 tensor at
+    the processor's target (NVDEC's output: ``nvdec.DeviceVideoDecoder``). Like ``Pixels``,
+    the frames stay one tensor from the loader to the processor, and ``key`` (the source
+    bytes' digest, the sampling and the target) names its processor output; unlike them, it
+    never goes to the frame store (device memory)."""
+
+    def __len__(self) -> int:
+        return int(self.tensor.shape[0])
+
+    def __getitem__(self, index: int) -> Image.Image:
+        return self.image(index)
+
+    def __iter__(self) -> Iterator[Image.Image]:
+        """The frames as Pillow images (copies to the host: tests and rare consumers)."""
+        return (self.image(index) for index in range(len(self)))
+
+    def image(self, index: int = 0) -> Image.Image:
+        """One frame on the host as a Pillow image (a copy)."""
+        array = self.tensor[index].permute(1, 2, 0).contiguous().cpu().numpy()
+        return Image.fromarray(array, "RGB")
+
+    def take(self, indices: Sequence[int]) -> DeviceFrames:
+        """The frames at ``indices`` (repeats allowed), on the same device, keyed apart."""
+        picked = list(indices)
+        return DeviceFrames(self.tensor[picked], f"{self.key}{picked}")
+
+    def channels_last(self) -> Any:
+        """``(frames, height, width, 3)`` uint8 on the host, a copy (vLLM's videos; tests)."""
+        return self.tensor.permute(0, 2, 3, 1).contiguous().cpu().numpy()

@@ -27,7 +27,7 @@ from PIL import Image
 from vlmq.config.errors import InvalidRequest
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.cache import MediaCache, Versions, content_key, version_key
-from vlmq.workers.media.devpixels import DevicePhoto
+from vlmq.workers.media.devpixels import DeviceFrames, DevicePhoto
 from vlmq.workers.media.fetch import MediaFetcher, MediaKind
 from vlmq.workers.media.image import Downscale, check_image_pixels, decode_image, to_rgb
 from vlmq.workers.media.netpolicy import Resolver
@@ -43,6 +43,7 @@ __all__ = [
     "ImageDecoder",
     "LoadCounts",
     "MediaLoader",
+    "VideoDecoder",
     "frames_bytes",
     "image_bytes",
     "video_bytes",
@@ -65,15 +66,26 @@ class ImageDecoder(Protocol):
     ) -> Image.Image | DevicePhoto: ...
 
 
+class VideoDecoder(Protocol):
+    """A replacement video decoder (a device one): the sampled frames ``decode_video`` would
+    give for ``plan``, as a ``DecodedVideo``."""
+
+    name: str
+
+    def decode(
+        self, data: bytes, settings: MediaSettings, plan: Sampling, downscale: Downscale | None
+    ) -> DecodedVideo: ...
+
+
 def image_bytes(image: Image.Image | Pixels | DevicePhoto) -> int:
     if isinstance(image, Pixels | DevicePhoto):
         return image.nbytes
     return image.width * image.height * len(image.getbands())
 
 
-def frames_bytes(frames: list[Image.Image] | Pixels) -> int:
+def frames_bytes(frames: list[Image.Image] | Pixels | DeviceFrames) -> int:
     """What a video's frames hold, in bytes."""
-    if isinstance(frames, Pixels):
+    if isinstance(frames, Pixels | DeviceFrames):
         return frames.nbytes
     return sum(image_bytes(frame) for frame in frames)
 
@@ -93,6 +105,8 @@ class _Prepared:
     # A task a prepare worker prepares, or prepared: the store serves every kind of media
     # (``frame_store.kinds`` says which kinds a worker preparing for itself stores).
     every_kind: bool = False
+    # False: what it decodes stays in device memory, so the store is neither read nor written.
+    stored: bool = True
 
 
 class MediaLoader:
@@ -179,19 +193,29 @@ class MediaLoader:
         sampling: str | None = None,
         tenant: str | None = None,
         prepared: bool = False,
+        decoder: VideoDecoder | None = None,
     ) -> DecodedVideo:
         """Frames sampled at ``fps`` (default ``settings.video_fps``), at most
         ``max_frames`` (never more than ``settings.video_max_frames``), ``sampling`` exact or
-        keyframes (default ``settings.video_sampling``)."""
+        keyframes (default ``settings.video_sampling``). ``decoder`` (a device decoder)
+        replaces the CPU one; its frames are keyed apart and never stored."""
         _require_str(source)
         plan = resolve_sampling(self.settings, fps, max_frames, sampling)
+        name = decoder.name if decoder is not None else "cpu"
+
+        def decode(data: bytes) -> DecodedVideo:
+            if decoder is not None:
+                return decoder.decode(data, self.settings, plan, downscale)
+            return decode_video(data, self.settings, fps, max_frames, downscale, sampling)
+
+        params = (fps, max_frames, downscale) if plan.mode == "exact" else (plan, downscale)
         video: DecodedVideo = self._load(
             source,
             "video",
-            lambda data: decode_video(data, self.settings, fps, max_frames, downscale, sampling),
+            decode,
             video_bytes,
-            _Prepared(plan, downscale, tenant, every_kind=prepared),
-            *((fps, max_frames, downscale) if plan.mode == "exact" else (plan, downscale)),
+            _Prepared(plan, downscale, tenant, name, prepared, stored=decoder is None),
+            *(params if name == "cpu" else (*params, name)),
         )
         return video
 
@@ -208,7 +232,9 @@ class MediaLoader:
         current is served from it without a download; anything else by its bytes' hash.
         With the frame store: a source named without its bytes (staged, S3) is looked up
         before any download; any other once its bytes are in hand."""
-        scope = self._frame_scope(kind, prepared.tenant, prepared.every_kind)
+        scope = None
+        if prepared.stored:
+            scope = self._frame_scope(kind, prepared.tenant, prepared.every_kind)
         if scope is not None:
             content = scope.id_before_fetch(source)
             if content is not None:
@@ -281,10 +307,16 @@ class MediaLoader:
         if data is None:
             data = self.fetcher.fetch(source, kind)
         media = self._decoded(decode, data)
-        # Device photos stay in device memory: the store holds host pixels only.
-        if scope.storable(source, data) and not isinstance(media, DevicePhoto):
+        # Device photos and frames stay in device memory: the store holds host pixels only.
+        if scope.storable(source, data) and not _on_device(media):
             scope.store.put(key, cast(PreparedMedia, media))
         return media
+
+
+def _on_device(media: object) -> bool:
+    if isinstance(media, DecodedVideo):
+        return isinstance(media.frames, DeviceFrames)
+    return isinstance(media, DevicePhoto)
 
 
 def _require_str(source: object) -> None:

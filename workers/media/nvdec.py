@@ -24,6 +24,11 @@ only with ``media.device_decode`` on, a decoder installed, its codec in
 already one decode per sample). Any failure on the device falls back to the CPU reference for
 that clip alone; ``vlmq_media_device_video_decodes_total{result=...}`` counts each clip's route.
 
+The worker's loader uses it (``DeviceVideoDecoder``, built once per worker by
+``device_video_decoder`` when the processor runs on a GPU and a decoder imports): its frames
+stay on the device as ``devpixels.DeviceFrames`` and go whole to the processor there, cached
+apart from the CPU's frames and never written to the frame store.
+
 Tested by injection (a fake decoder module in tests/support); torch and the decoders are
 imported only when a device decode runs.
 """
@@ -44,16 +49,25 @@ from prometheus_client import Counter
 from vlmq.config.errors import MediaDecodeFailed, VlmqError
 from vlmq.config.media_checks import open_video_container
 from vlmq.config.settings import MediaSettings
-from vlmq.workers.media.device import Route, resized_on_device
+from vlmq.workers.media.device import Route, processor_gpu, resized_on_device
+from vlmq.workers.media.devpixels import DeviceFrames
 from vlmq.workers.media.image import Downscale
-from vlmq.workers.media.video import Sampling, decode_video, plan_sample_times
+from vlmq.workers.media.video import (
+    DecodedVideo,
+    Sampling,
+    check_header_resolution,
+    decode_video,
+    plan_sample_times,
+)
 
 __all__ = [
     "DEVICE_VIDEO_DECODES",
     "DeviceVideo",
+    "DeviceVideoDecoder",
     "StreamInfo",
     "VideoBackend",
     "decode_on_device",
+    "device_video_decoder",
     "find_backend",
     "probe",
     "video_route",
@@ -106,12 +120,14 @@ class VideoBackend(Protocol):
 
 
 def probe(data: bytes, settings: MediaSettings) -> StreamInfo:
-    """The stream's codec, size, rate and length from the container header."""
+    """The stream's codec, size, rate and length from the container header; a size over the
+    limits fails here, before anything is decoded."""
     try:
         with open_video_container(io.BytesIO(data), settings) as container:
             if not container.streams.video:
                 raise MediaDecodeFailed("media has no video stream")
             stream = container.streams.video[0]
+            check_header_resolution(stream, settings)
             ctx = stream.codec_context
             fps = float(stream.average_rate or stream.guessed_rate or 0) or 25.0
             if stream.duration and stream.time_base:
@@ -223,6 +239,60 @@ def _on_cpu(
         video.height,
         route,
     )
+
+
+# --- in the worker's loader ------------------------------------------------------------------
+
+
+class DeviceVideoDecoder:
+    """The loader's video decoder when the processor runs on a GPU: each clip's sampled frames
+    through ``backend`` where the route says so, else the CPU reference's uploaded (the
+    fallback per clip included), left on ``device`` as ``DeviceFrames``. Its frames are keyed
+    apart from the CPU decoder's and never go to the frame store (device memory)."""
+
+    name = "nvdec-device"
+
+    def __init__(self, device: str, backend: VideoBackend, cuda: bool = True) -> None:
+        self.device = device
+        self.backend = backend
+        self.cuda = cuda
+
+    def decode(
+        self, data: bytes, settings: MediaSettings, plan: Sampling, downscale: Downscale | None
+    ) -> DecodedVideo:
+        import hashlib
+
+        device, backend = self.device, self.backend
+        out = decode_on_device(data, settings, plan, downscale, device, backend, self.cuda)
+        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+        target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
+        key = f"device-video:{digest}:{plan.fps}:{plan.max_frames}:{plan.mode}:{target}"
+        frames = DeviceFrames(out.frames, key)
+        return DecodedVideo(
+            frames, out.fps, out.duration_s, out.frame_indices, out.total_frames, *frames.size
+        )
+
+
+def device_video_decoder(
+    settings: MediaSettings,
+    processor_device: str | None,
+    importer: Callable[[str], Any] = importlib.import_module,
+) -> DeviceVideoDecoder | None:
+    """The worker's video decoder: NVDEC on the processor's GPU when device decoding is on,
+    the processor runs on a working GPU and a hardware decoder imports; None: the CPU path.
+    Chosen once per worker and logged (each clip's own route is logged as it decodes)."""
+    chosen, why = processor_gpu(settings, processor_device)
+    backend = find_backend(importer) if chosen is not None else None
+    if chosen is not None and backend is None:
+        chosen, why = None, "no hardware video decoder: neither PyNvVideoCodec nor torchcodec"
+    log.info(
+        "video decoder: %s (%s)",
+        f"{backend.name} on {chosen}" if chosen and backend else "cpu",
+        why if backend is None else "clips the route sends there; the rest uploaded",
+    )
+    if chosen is None or backend is None:
+        return None
+    return DeviceVideoDecoder(chosen, backend)
 
 
 # --- the decoders ---------------------------------------------------------------------------

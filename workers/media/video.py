@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import av
 from PIL import Image
@@ -26,11 +26,15 @@ from vlmq.config.vision import sampled_frame_count
 from vlmq.workers.media.image import Downscale
 from vlmq.workers.media.prepared.pixels import Pixels
 
+if TYPE_CHECKING:
+    from vlmq.workers.media.devpixels import DeviceFrames
+
 __all__ = [
     "SAMPLING_MODES",
     "DecodedVideo",
     "Sampling",
     "SamplingMode",
+    "check_header_resolution",
     "decode_video",
     "plan_sample_times",
     "resolve_sampling",
@@ -57,8 +61,9 @@ _SKIP_MARGIN_FRAMES = 4
 class DecodedVideo:
     """Sampled RGB frames plus what the processor needs to place them in time."""
 
-    # Decoded here: Pillow frames; read back from the frame store: ``Pixels`` (planar).
-    frames: list[Image.Image] | Pixels
+    # Decoded here: Pillow frames; read back from the frame store: ``Pixels`` (planar);
+    # decoded on the processor's GPU (nvdec.py): ``DeviceFrames``, never stored.
+    frames: list[Image.Image] | Pixels | DeviceFrames
     fps: float  # source frame rate
     duration_s: float
     frame_indices: list[int]  # index of each frame in the source
@@ -138,7 +143,7 @@ def _decode_video(
 ) -> DecodedVideo:
     with open_video_container(io.BytesIO(data), settings) as container:
         stream = _video_stream(container)
-        _check_header_resolution(stream, settings)
+        check_header_resolution(stream, settings)
         probe = _probe(container, stream) or _probe_by_demuxing(data, settings)
         _check_duration(probe, settings)
         times = plan_sample_times(
@@ -176,8 +181,9 @@ def _video_stream(container: Any, thread_type: str = "SLICE") -> Any:
     return stream
 
 
-def _check_header_resolution(stream: Any, settings: MediaSettings) -> None:
-    # Fail before decoding anything; frames are checked again one by one.
+def check_header_resolution(stream: Any, settings: MediaSettings) -> None:
+    """The stream's size against the limits, before anything is decoded (the CPU path checks
+    frames again one by one; the device path has only this)."""
     width, height = stream.codec_context.width or 0, stream.codec_context.height or 0
     if width * height > settings.video_max_pixels_per_frame:
         raise MediaTooLarge("video resolution is too large")

@@ -293,6 +293,8 @@ def _pixels_of(media: PreparedMedia) -> Pixels:
     frames = media.frames if isinstance(media, DecodedVideo) else [media]
     if isinstance(frames, Pixels):
         return frames
+    if not isinstance(frames, list):  # device frames (devpixels.DeviceFrames): never stored
+        raise ValueError("prepared frames must be on the host")
     if any(frame.mode != "RGB" for frame in frames):
         raise ValueError("prepared media must be RGB")
     if len({frame.size for frame in frames}) != 1:

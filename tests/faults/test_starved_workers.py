@@ -45,7 +45,9 @@ def _freeze_once_running(h: Harness, proc: subprocess.Popen[bytes], task: str, n
     proc.send_signal(signal.SIGSTOP)
 
 
-def test_runs_outlived_by_starved_workers_do_not_dead_letter_a_valid_request(harness) -> None:
+def test_runs_outlived_by_starved_workers_do_not_dead_letter_a_valid_request(
+    harness: Harness,
+) -> None:
     h = harness
     env = {"VLMQ_FLEET__LEASE_S": str(LEASE_S), "VLMQ_FLEET__MAX_DELIVERIES": "2"}
     a = h.noop_worker("a", ENGINE_S, **env)

@@ -208,7 +208,9 @@ def test_a_task_cancelled_while_held_is_let_go_at_start(settings):
     assert (status["total"], status["counts"]["cancelled"], status["state"]) == (2, 2, "cancelled")
 
 
-def test_a_run_its_live_holder_outlived_is_counted_once_and_read_at_pull(settings) -> None:
+def test_a_run_its_live_holder_outlived_is_counted_once_and_read_at_pull(
+    settings: Settings,
+) -> None:
     """Issue 38: a holder whose lease lapsed while it ran says so when its settle is refused;
     the next pull reads the count (the poison verdict counts attempts less outlived runs)."""
     client = Client(settings)

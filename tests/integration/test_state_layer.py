@@ -376,6 +376,26 @@ def test_a_pull_that_took_nothing_keeps_no_reply(settings):
     assert len(client.redis.keys(KEYS.call("*"))) == 1
 
 
+def test_an_idle_pull_runs_no_script_until_a_list_it_reads_has_a_message(settings):
+    """An idle worker's polls ask whether anything waits (EXISTS over its lists, with Redis's
+    time) instead of running the pull script each time; the message that arrives is taken by
+    the next poll, on either lane and through a tenant's job list."""
+    client = Client(settings)
+    intake = client.state.intake("text")
+    assert intake.pull(32, 60).deliveries == []  # the first runs the script: now idle
+    client.redis.config_resetstat()
+    for _ in range(5):
+        idle = intake.pull(32, 60)
+        assert idle.deliveries == [] and idle.now > 0
+    assert _calls(client, "evalsha") + _calls(client, "eval") == 0
+    assert _calls(client, "exists") == 5
+    client.submit_many([_text(0)])  # a bulk job: its list hangs off the tenants' set
+    assert len(intake.pull(32, 60).deliveries) == 1
+    assert intake.pull(32, 60).deliveries == []  # idle again: the script ran and took none
+    client.submit(_text(1))  # interactive lane
+    assert len(intake.pull(32, 60).deliveries) == 1
+
+
 def test_a_renew_extends_this_holders_leases_and_names_the_rest(settings):
     client = Client(settings)
     client.submit_many([_text(n) for n in range(3)])

@@ -81,3 +81,15 @@ def test_a_run_another_live_worker_outlived_is_not_a_death() -> None:
     assert [w.task_id for w in admitted] == ["t"]
     assert tasks.letters == [] and settler.submitted == []
     settler.close()
+
+
+def test_outlived_runs_are_forgiven_up_to_twice_the_limit() -> None:
+    """A request whose every run outlives its lease (one that starves its worker's heartbeat)
+    is not run for ever: at 2x max_deliveries runs it is dead-lettered, outlived or not."""
+    triage, settler, _ = _triage("w")
+    _started_here(triage, "t")
+    delivery = _delivery("t", outlived=5)
+    delivery.status["attempts"] = "6"
+    assert triage.admit(Pull([delivery], time.time())) == []
+    assert [s.record["error"]["code"] for s in settler.submitted] == ["dead_lettered"]
+    settler.close()

@@ -65,6 +65,10 @@ __all__ = [
 INVALID_PREFIX = "invalid-"
 # A dead letter keeps the head of its message (enough to see what it was), not all of it.
 DEAD_LETTER_MESSAGE_CHARS = 4096
+# Runs of one task, outlived or not, past which it is dead-lettered: OUTLIVED_BOUND x
+# max_deliveries.
+OUTLIVED_BOUND = 2
+
 # Task ids a worker remembers starting (for ``_outlived_here``): ~10 MB at most.
 STARTED_HERE_KEPT = 100_000
 
@@ -165,10 +169,15 @@ class Triage:
         if self._expired(item, now):
             self.fail(item, Expired("the task expired before it ran"), TaskState.EXPIRED)
             return False
-        if item.deaths >= self.fleet.max_deliveries and not self._outlived_here(item):
+        limit = self.fleet.max_deliveries
+        # Outlived runs are forgiven up to a bound: a request whose runs outlive their leases
+        # each time (one that starves its worker's heartbeat) still ends, after 2x the limit.
+        if item.attempts >= OUTLIVED_BOUND * limit or (
+            item.deaths >= limit and not self._outlived_here(item)
+        ):
             reason = (
                 f"ran {item.attempts} times without finishing, its worker dying "
-                f"{item.deaths} times (limit {self.fleet.max_deliveries})"
+                f"{item.deaths} times (limit {limit}; {OUTLIVED_BOUND * limit} runs in all)"
             )
             self._dead_letter(item, DeadLettered(reason))
             return False

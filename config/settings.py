@@ -285,8 +285,14 @@ class MediaSettings(BaseModel):
     device_jpeg_batch: int = Field(
         32,
         ge=1,
-        description="Photos decoded together in one nvJPEG batch on the device "
-        "(workers/media/devpixels.py).",
+        description="Most photos decoded together in one nvJPEG batch on the device: those "
+        "of requests prepared at the same time share it (workers/media/photobatch.py).",
+    )
+    device_jpeg_window_ms: float = Field(
+        2.0,
+        ge=0,
+        description="How long a photo waits for others to share its nvJPEG batch, unless "
+        "device_jpeg_batch are waiting first (ms).",
     )
     frame_store: FrameStoreSettings = Field(
         default_factory=FrameStoreSettings,

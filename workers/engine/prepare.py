@@ -171,7 +171,7 @@ def _image_decoder(
     (``device.py``); None: the CPU reference."""
     on = photo_device(media, processor_device(engine, model_device))
     if on is not None:
-        return DevicePhotoDecoder(on)
+        return DevicePhotoDecoder(on, media.device_jpeg_batch, media.device_jpeg_window_ms / 1e3)
     return device_image_decoder(media, model_device)
 
 

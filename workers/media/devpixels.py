@@ -38,6 +38,7 @@ from vlmq.config.media_checks import check_image_pixels
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.device import resized_on_device
 from vlmq.workers.media.image import Downscale, decode_image
+from vlmq.workers.media.photobatch import PhotoBatcher
 
 __all__ = [
     "DEVICE_DECODES",
@@ -261,25 +262,26 @@ class DevicePhoto(_OnDevice):
 
 class DevicePhotoDecoder:
     """The loader's image decoder when the processor runs on a GPU: the photo decoded,
-    resized and left on ``device`` (``decode_to_device``), its fallbacks included. Its pixels
-    are keyed apart from the CPU decoder's and never go to the frame store (device memory)."""
+    resized and left on ``device`` (``decode_to_device``), its fallbacks included. Photos of
+    requests prepared at the same time share nvJPEG batches of up to ``batch`` (waiting at
+    most ``window_s`` for company: ``photobatch.py``). Its pixels are keyed apart from the CPU
+    decoder's and never go to the frame store (device memory)."""
 
     name = "nvjpeg-device"
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, batch: int = 1, window_s: float = 0.0) -> None:
         self.device = device
+        self.batcher = PhotoBatcher(device, batch, window_s, decode_to_device)
 
     def decode(
         self, data: bytes, settings: MediaSettings, downscale: Downscale | None
     ) -> DevicePhoto:
         import hashlib
 
-        out = decode_to_device([data], settings, [downscale], self.device)
-        if 0 in out.errors:
-            raise out.errors[0]
+        image = self.batcher.decode(data, settings, downscale)
         digest = hashlib.blake2b(data, digest_size=16).hexdigest()
         target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
-        return DevicePhoto(out.images[0], f"device:{digest}:{target}")
+        return DevicePhoto(image, f"device:{digest}:{target}")
 
 
 class DeviceFrames(_OnDevice):

@@ -396,6 +396,21 @@ def test_an_idle_pull_runs_no_script_until_a_list_it_reads_has_a_message(setting
     assert len(intake.pull(32, 60).deliveries) == 1
 
 
+def test_an_idle_intake_says_whether_anything_waits_and_pulls_it_without_a_second_probe(
+    settings: Settings,
+) -> None:
+    client = Client(settings)
+    intake = client.state.intake("text")
+    assert intake.waiting()  # not idle yet: a pull may find something
+    assert intake.pull(32, 60).deliveries == []
+    assert not intake.waiting()
+    client.submit(_text(0))
+    client.redis.config_resetstat()
+    assert intake.waiting()
+    assert len(intake.pull(32, 60).deliveries) == 1
+    assert _calls(client, "exists") == 1  # the pull ran the script at once
+
+
 def test_a_renew_extends_this_holders_leases_and_names_the_rest(settings):
     client = Client(settings)
     client.submit_many([_text(n) for n in range(3)])

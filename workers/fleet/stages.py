@@ -93,7 +93,11 @@ class Stages:
         """Pull the next class's batch (classes take turns), admit it and hand its requests
         to the prepare pool; None when every class is empty, or while this worker's lease
         renewals are stalled (it could not hold what it pulled: ``renewals.py``; until its
-        first renewal lands, it pulls only while it holds nothing)."""
+        first renewal lands, it pulls only while it holds nothing). An idle worker asks first
+        whether anything waits (one round trip a poll): with nothing to pull, whether its
+        renewals keep up does not matter."""
+        if not any(self.parts.intakes[m].waiting() for m in self.modalities):
+            return None
         if not self.parts.renewals.may_pull(holding=len(self.parts.held) > 0):
             return None
         order = self.modalities[self._turn :] + self.modalities[: self._turn]

@@ -149,6 +149,16 @@ class Intake:
         self._idle = not pull.deliveries and not pull.dropped
         return pull
 
+    def waiting(self) -> bool:
+        """Whether a pull may find something: always for a worker that is not idle; for an
+        idle one, the probe's answer (what it found is pulled next without a second probe)."""
+        if not self._idle:
+            return True
+        if self._now_if_nothing_to_pull() is not None:
+            return False
+        self._idle = False
+        return True
+
     def _now_if_nothing_to_pull(self) -> float | None:
         """Redis's time when none of the lists a pull reads (nor the class's tenants' set of
         job lists) exists; None when one does. Read-only, so safe to repeat; a message that

@@ -127,6 +127,9 @@ def photo_lines(
     cpu_wall, cpu_cpu = _per_item(reference, len(datas), repeats)
     with GpuBusy(device) as busy:
         dev_wall, dev_cpu = _per_item(on_device, len(datas), repeats)
+    loader_rows = [
+        _loader_row(datas, settings, target, device, size, repeats) for size in (1, batch)
+    ]
     errors = [
         pixel_error(image, decode_image(data, settings, target))
         for data, image in zip(datas, kept, strict=True)
@@ -141,12 +144,40 @@ def photo_lines(
         f"| CPU reference (Pillow draft + bicubic), one thread | {cpu_wall} | {cpu_cpu} | - |",
         f"| nvJPEG batch {batch} on {device}, resized + normalised there, left there | "
         f"{dev_wall} | {dev_cpu} | {_busy_text(busy.busy)} |",
+        *loader_rows,
         "",
         f"Pixel error, device path vs CPU reference at the target ({len(errors)} photos, 0-255):"
         f" mean {np.mean([e[0] for e in errors]):.2f}, p99 {max(e[1] for e in errors):.0f}, "
         f"max {max(e[2] for e in errors)}.",
     ]
     return lines, kept
+
+
+def _loader_row(
+    datas: Sequence[bytes], settings: Any, target: Any, device: str, size: int, repeats: int
+) -> str:
+    """The worker's own decoder (``DevicePhotoDecoder``), one photo per call from a thread per
+    photo as the preparer calls it: batch 1 is one nvJPEG call per photo; ``size`` lets calls
+    made together share one (``photobatch.py``, 2 ms window)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vlmq.workers.media.devpixels import DevicePhotoDecoder
+
+    decoder = DevicePhotoDecoder(device, size, 0.002 if size > 1 else 0.0)
+
+    def through_loader() -> None:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda data: decoder.decode(data, settings, target), datas))
+        _sync(device)
+
+    through_loader()  # warm-up
+    with GpuBusy(device) as busy:
+        wall, cpu = _per_item(through_loader, len(datas), repeats)
+    how = "one nvJPEG call a photo" if size == 1 else f"calls share batches of up to {size}"
+    return (
+        f"| the worker's decoder, 16 threads, {how}, left on {device} | {wall} | {cpu} | "
+        f"{_busy_text(busy.busy)} |"
+    )
 
 
 def _cpu_clip(args: tuple[bytes, Any, float, Any]) -> int:

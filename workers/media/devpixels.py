@@ -47,6 +47,7 @@ __all__ = [
     "DevicePhoto",
     "DevicePhotoDecoder",
     "decode_to_device",
+    "device_key",
     "fallback_reason",
     "normalise",
     "photo_device",
@@ -219,6 +220,16 @@ def photo_device(settings: MediaSettings, processor_device: str | None) -> str |
     return chosen
 
 
+def device_key(kind: str, data: bytes, downscale: Downscale | None, *params: object) -> str:
+    """The name of media decoded from ``data`` and left on the device (the processor-output
+    cache's key for it): the source bytes' digest, the target and what else shaped it."""
+    import hashlib
+
+    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
+    return ":".join(str(part) for part in (kind, digest, *params, target))
+
+
 class _OnDevice:
     """Pixels left on the device: a uint8 tensor, channel-first, its last two dimensions the
     height and width; ``key`` names them (set on the tensor, for the processor-output cache)."""
@@ -276,12 +287,8 @@ class DevicePhotoDecoder:
     def decode(
         self, data: bytes, settings: MediaSettings, downscale: Downscale | None
     ) -> DevicePhoto:
-        import hashlib
-
         image = self.batcher.decode(data, settings, downscale)
-        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-        target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
-        return DevicePhoto(image, f"device:{digest}:{target}")
+        return DevicePhoto(image, device_key("device", data, downscale))
 
 
 class DeviceFrames(_OnDevice):

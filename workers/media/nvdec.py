@@ -50,7 +50,7 @@ from vlmq.config.errors import MediaDecodeFailed, VlmqError
 from vlmq.config.media_checks import open_video_container
 from vlmq.config.settings import MediaSettings
 from vlmq.workers.media.device import Route, processor_gpu, resized_on_device
-from vlmq.workers.media.devpixels import DeviceFrames
+from vlmq.workers.media.devpixels import DeviceFrames, device_key
 from vlmq.workers.media.image import Downscale
 from vlmq.workers.media.video import (
     DecodedVideo,
@@ -260,13 +260,9 @@ class DeviceVideoDecoder:
     def decode(
         self, data: bytes, settings: MediaSettings, plan: Sampling, downscale: Downscale | None
     ) -> DecodedVideo:
-        import hashlib
-
         device, backend = self.device, self.backend
         out = decode_on_device(data, settings, plan, downscale, device, backend, self.cuda)
-        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-        target = (downscale.max_pixels, downscale.cover) if downscale is not None else None
-        key = f"device-video:{digest}:{plan.fps}:{plan.max_frames}:{plan.mode}:{target}"
+        key = device_key("device-video", data, downscale, plan.fps, plan.max_frames, plan.mode)
         frames = DeviceFrames(out.frames, key)
         return DecodedVideo(
             frames, out.fps, out.duration_s, out.frame_indices, out.total_frames, *frames.size

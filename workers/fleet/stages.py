@@ -95,14 +95,16 @@ class Stages:
         renewals are stalled (it could not hold what it pulled: ``renewals.py``; until its
         first renewal lands, it pulls only while it holds nothing). An idle worker asks first
         whether anything waits (one round trip a poll): with nothing to pull, whether its
-        renewals keep up does not matter."""
-        if not any(self.parts.intakes[m].waiting() for m in self.modalities):
+        renewals keep up does not matter. Each class is probed once a poll: one found empty is
+        not pulled."""
+        order = self.modalities[self._turn :] + self.modalities[: self._turn]
+        ready = [m for m in order if self.parts.intakes[m].waiting()]
+        if not ready:
             return None
         if not self.parts.renewals.may_pull(holding=len(self.parts.held) > 0):
             return None
-        order = self.modalities[self._turn :] + self.modalities[: self._turn]
         self._turn = (self._turn + 1) % len(self.modalities)
-        for modality in order:
+        for modality in ready:
             pull = self._gather(modality)
             if pull.deliveries or pull.dropped:
                 return self._admit(modality, pull)

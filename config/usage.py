@@ -12,11 +12,11 @@ it (``workers/fleet/charge.py``), integers so the counters sum exactly. Read by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["METRICS", "TaskUsage", "model_seconds"]
+__all__ = ["METRICS", "TaskUsage", "model_seconds", "usage_argv"]
 
 # The stored metrics, in the order the settle script reads them.
 METRICS = ("prompt_tokens", "completion_tokens", "requests", "model_us", "gpu_us", "cost_ucents")
@@ -33,6 +33,9 @@ class TaskUsage:
     model_s: float = 0.0
     gpu_us: int = 0
     cost_ucents: int = 0
+    # The job the worker read for the task: only groups a settle's usage (usage_argv); the
+    # settle script counts under the job the task's hash names.
+    job_id: str | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, record: Mapping[str, Any]) -> TaskUsage:
@@ -49,14 +52,49 @@ class TaskUsage:
             model_s=model_seconds(timings, size),
             gpu_us=int(cost.get("gpu_us") or 0),
             cost_ucents=int(cost.get("ucents") or 0),
+            job_id=str(record["job_id"]) if record.get("job_id") else None,
         )
 
-    def argv(self) -> list[str | int]:
-        """The settle script's arguments for this task (read_usage)."""
-        dims = f"{self.model}|{self.modality}"
+    @property
+    def dims(self) -> str:
+        return f"{self.model}|{self.modality}"
+
+    def values(self) -> list[int]:
+        """The metrics as stored, in METRICS order: integers, so sums are exact."""
         model_us = round(self.model_s * 1e6)
         counts = [self.prompt_tokens, self.completion_tokens, 1, model_us]
-        return [dims, *counts, self.gpu_us, self.cost_ucents]
+        return [*counts, self.gpu_us, self.cost_ucents]
+
+
+def usage_argv(usage: Sequence[TaskUsage | None]) -> tuple[list[str | int], list[list[str]]]:
+    """A settle's usage as the settle script reads it (tenants.lua, read_usage_groups): the
+    tasks grouped by model, modality and job, each group's sums once, then per task its group
+    (1-based, 0: none) and its own values as one string. The script adds a group's sums when
+    all of its tasks moved under the one job and tenant, and each task's own values otherwise
+    (a superseded holder, a job the worker read wrong): the sums are the same, and a batch of
+    one job costs the script no parsing per task."""
+    groups: dict[tuple[str, str | None], int] = {}
+    sums: list[list[int]] = []
+    dims: list[str] = []
+    counts: list[int] = []
+    per_task: list[list[str]] = []
+    for used in usage:
+        if used is None:
+            per_task.append(["0", ""])
+            continue
+        values = used.values()
+        index = groups.setdefault((used.dims, used.job_id), len(groups))
+        if index == len(sums):
+            sums.append([0] * len(values))
+            dims.append(used.dims)
+            counts.append(0)
+        sums[index] = [a + b for a, b in zip(sums[index], values, strict=True)]
+        counts[index] += 1
+        per_task.append([str(index + 1), " ".join(map(str, values))])
+    header: list[str | int] = [len(sums)]
+    for index, group_sums in enumerate(sums):
+        header += [dims[index], counts[index], *group_sums]
+    return header, per_task
 
 
 def model_seconds(timings: Mapping[str, Any], batch_size: int) -> float:

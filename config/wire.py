@@ -128,20 +128,22 @@ def encode_message(
         "ignore_result": ignore_result,
     }
     properties = {
+        "delivery_tag": uuid.uuid4().hex,
         "correlation_id": task_id,
         "reply_to": "",
         "delivery_mode": 2,
         "delivery_info": {"exchange": "", "routing_key": queue},
         "priority": priority,
         "body_encoding": "base64",
-        "delivery_tag": uuid.uuid4().hex,
     }
+    # Headers and properties before the body: a pull finds the task id and tag by scanning
+    # the text from its start (vlmq/broker/lua/intake.lua, identify); JSON's keys have no order.
     message = {
-        "body": base64.b64encode(body.encode()).decode(),
-        "content-encoding": "utf-8",
-        "content-type": "application/json",
         "headers": headers,
         "properties": properties,
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "body": base64.b64encode(body.encode()).decode(),
     }
     return json.dumps(message, separators=(",", ":"))
 

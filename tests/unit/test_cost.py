@@ -76,7 +76,7 @@ def test_a_batch_is_charged_its_model_seconds_split_by_tokens():
         assert cost["ucents"] == pricing.ucents(cost["gpu_us"])
         assert (cost["currency"], cost["gpu"], cost["gpu_hour_price"]) == ("USD", "cpu", 2.5)
         assert TaskUsage.of(record).cost_ucents == cost["ucents"]
-        assert TaskUsage.of(record).argv()[-2:] == [cost["gpu_us"], cost["ucents"]]
+        assert TaskUsage.of(record).values()[-2:] == [cost["gpu_us"], cost["ucents"]]
 
 
 def test_measured_gpu_time_wins_and_batches_are_apart():

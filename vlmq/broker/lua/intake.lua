@@ -1,4 +1,5 @@
--- uses common.lua: call_many, csv_set, is_fed_id, now, plain, read_many, stamp;
+-- uses common.lua: call_many, csv_set, is_fed_id, now, plain, read_many, stamp, unanchor,
+--      widen;
 --      tenants.lua: queued_by, quota_add
 -- intake and leases: pull, renew, acknowledge, give back, reap; workers' records ----------
 -- The bookkeeping of held messages, always KEYS[1..5] of these commands: inflight hash (id ->
@@ -82,17 +83,19 @@ local function row_status(key, status, n)
   return status
 end
 
--- The first value of a JSON string key in the text (compact, or with ": "), if it is a plain
--- run of the characters the key's values are made of (patterns built once).
+-- The first value of a JSON string key in the text (compact, or with ": "): the characters up
+-- to the next quote, if 1-128 of them. (Plain finds: a pattern's character classes cost ~100
+-- instructions a character.)
 local ID_FORMS = {'"id":"', '"id": "'}
 local TAG_FORMS = {'"delivery_tag":"', '"delivery_tag": "'}
-local ID_VALUE, TAG_VALUE = '^([%w_.%-]+)"', '^([%w%-]+)"'
 
-local function first_value(raw, forms, value)
+local function first_value(raw, forms)
   local _, e = string.find(raw, forms[1], 1, true)
   if not e then _, e = string.find(raw, forms[2], 1, true) end
-  if e then return string.match(raw, value, e + 1) end
-  return nil
+  if not e then return nil end
+  local close = string.find(raw, '"', e + 1, true)
+  if not close or close == e + 1 or close - e > 129 then return nil end
+  return string.sub(raw, e + 1, close - 1)
 end
 
 local function tag_of(tag, raw)
@@ -116,10 +119,13 @@ local function status_of(prefix, id) return redis.call('HMGET', prefix .. id, un
 -- Returns the task id of `raw`, its status (STATUS_FIELDS) and the message's tag.
 local function identify(raw, prefix)
   -- Fast path: the first id and tag in the text name a task created with that tag (a vlmq
-  -- producer wrote exactly that pair; nobody else knows the tag).
-  local id = first_value(raw, ID_FORMS, ID_VALUE)
-  local tag = first_value(raw, TAG_FORMS, TAG_VALUE)
-  if plain(id) and tag then
+  -- producer wrote exactly that pair; nobody else knows the tag). Only a task hash that some
+  -- producer created names a plain id, so the id needs no check of its own here. A stored
+  -- tag with a ':' is a digest of a message without one (tag_of), which a message's own
+  -- tag must never stand for.
+  local id = first_value(raw, ID_FORMS)
+  local tag = id and first_value(raw, TAG_FORMS)
+  if tag and not string.find(tag, ':', 1, true) then
     local status = status_of(prefix, id)
     if status[TAG] == tag then return id, status, tag end
   end
@@ -170,10 +176,14 @@ function commands.pull()
   local refs, jobs, stage, prepared_suffix = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
   local out, dropped, taken = {}, 0, {}
   local inflight, leases, origins, actives = {}, {}, {}, {}
+  local anchored  -- the bookkeeping is widened once a pull has messages (common.lua, widen)
   -- Pops up to n messages of one list into this holder's rows; returns how many it popped.
   local function take(list, active, n)
     local raws = redis.call('RPOP', list, n)
     if not raws then return 0 end
+    if not anchored then
+      anchored = widen({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, {'hash', 'zset', 'hash', 'hash'})
+    end
     if active then redis.call('HINCRBY', KEYS[5], KEYS[6], -#raws) end
     local prepared = string.sub(list, -#prepared_suffix) == prepared_suffix
     local ids, statuses, tags = {}, {}, {}
@@ -277,6 +287,7 @@ function commands.pull()
     call_many('HSET', KEYS[3], origins, 2)
     if #actives > 0 then call_many('HSET', KEYS[4], actives, 2) end
   end
+  if anchored then unanchor(anchored) end
   return {stamp(t), dropped, out}
 end
 

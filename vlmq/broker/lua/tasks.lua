@@ -1,5 +1,6 @@
--- uses common.lua: call_many, is_fed_id, now, stamp; tenants.lua: count_usage, new_sums, queued_by,
---      quota_add, read_usage, write_sums; intake.lua: forget_all;
+-- uses common.lua: call_many, is_fed_id, now, read_many, stamp; tenants.lua: count_groups,
+--      new_sums, note_usage, queued_by, quota_add, read_usage_groups, write_sums;
+--      intake.lua: forget_all;
 --      jobs.lua: finish_check, keep_job
 -- tasks: state moves, fenced by delivery; settle (terminal moves and acknowledgements) -----
 
@@ -85,87 +86,145 @@ local FOLDED_STATE = {S = 'succeeded', F = 'failed', C = 'cancelled', E = 'expir
 local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'custom_id', 'attempts',
                      'quota', 'est', 'tenant', 'started', 'notify'}
 
-local function fold(key, h, m, jobkey)
+-- A call's folds are written at its end (write_folds): per job one HMGET and one HSET of its
+-- claims, and one DEL of the folded hashes, instead of three commands a task. `ctx.folds`:
+-- claims key -> {claims, tails}, `order` (first-seen), `keys` (hashes to delete, a set too).
+local function new_folds() return {of = {}, order = {}, keys = {}, deleting = {}} end
+
+local function fold(key, h, m, jobkey, folds)
   local claims = jobkey .. ':custom_ids'
-  local live = redis.call('HGET', claims, h[4])
-  if live then
-    local stored = false
-    for i = 1, #m.fields - 1, 2 do
-      if m.fields[i] == 'result_url' then stored = true end
-    end
-    local record = string.match(live, '^%S+') .. ' ' .. FOLDED[m.new]
-    if stored then
-      record = record .. h[2]
-    else
-      record = record .. ' ' .. (h[5] or '')
-    end
-    redis.call('HSET', claims, h[4], record)
+  local pending = folds.of[claims]
+  if not pending then
+    pending = {claims = {}, tails = {}}
+    folds.of[claims] = pending
+    folds.order[#folds.order + 1] = claims
   end
-  redis.call('DEL', key)
+  local tail = FOLDED[m.tpl.new]
+  if m.tpl.stored or m.stored then
+    tail = tail .. h[2]
+  else
+    tail = tail .. ' ' .. (h[5] or '')
+  end
+  pending.claims[#pending.claims + 1] = h[4]
+  pending.tails[#pending.tails + 1] = tail
+  folds.keys[#folds.keys + 1] = key
+  folds.deleting[key] = true
 end
 
--- The from-states a move allows ("," separated, "-" = no state yet) as a set, read once per
--- script call for each distinct list (a batch's moves share one).
-local ALLOWED = {}
-
-local function allowed_set(text)
-  local set = ALLOWED[text]
-  if not set then
-    set = {}
-    for from in string.gmatch(text, '([^,]+)') do set[from == '-' and '' or from] = true end
-    ALLOWED[text] = set
+-- A claim still recorded (a job's record: its submission first) gets its fold's state and
+-- delivery; a claim the job no longer records is left so.
+local function write_folds(folds)
+  for _, claims in ipairs(folds.order) do
+    local pending = folds.of[claims]
+    local live = read_many('HMGET', claims, pending.claims)
+    local records = {}
+    for i, claim in ipairs(pending.claims) do
+      if live[i] then
+        records[#records + 1] = claim
+        records[#records + 1] = string.match(live[i], '^%S+') .. ' ' .. pending.tails[i]
+      end
+    end
+    call_many('HSET', claims, records, 2)
   end
+  for i = 1, #folds.keys, 960 do
+    redis.call('DEL', unpack(folds.keys, i, math.min(i + 959, #folds.keys)))
+  end
+  folds.of, folds.order, folds.keys, folds.deleting = {}, {}, {}, {}
+end
+
+-- The from-states a move allows ("," separated, "-" = no state yet) as a set.
+local function allowed_set(text)
+  local set = {}
+  for from in string.gmatch(text, '([^,]+)') do set[from == '-' and '' or from] = true end
   return set
 end
 
--- One task's move: allowed from-states; `m.stampf` (if not '') gets Redis's time (`ctx.ts`,
--- formatted once per call); the job's counters change in `tally`. `h` is the task hash's
--- MOVE_FIELDS, read once by fenced_move. Returns previous state, moved (1|0).
+-- Whether field/value pairs set a result object's url (a folded task then keeps its delivery).
+local function stores(fields)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'result_url' then return true end
+  end
+  return false
+end
+
+-- `k` field/value pairs from ARGV at `at` (a move never sets a task's job: only the producer
+-- that created the task and counted it in its job does; a message cannot join a job).
+local function read_fields(at, k)
+  local fields = {}
+  for j = at, at + 2 * k - 1, 2 do
+    if ARGV[j] ~= 'job_id' then
+      fields[#fields + 1] = ARGV[j]
+      fields[#fields + 1] = ARGV[j + 1]
+    end
+  end
+  return fields
+end
+
+-- One task's move (`m`: read_move): its template's allowed from-states; the template's
+-- `stampf` (if not '') gets Redis's time (`ctx.ts`, formatted once per call); the job's
+-- counters change in `tally`. `h` is the task hash's MOVE_FIELDS, read once by fenced_move.
+-- Returns previous state, moved (1|0).
 local function move(key, id, m, h, ctx, tally)
+  local tpl = m.tpl
   local current = h[1] or ''
   -- A start (it counts an attempt) this very delivery already made: it moved, once.
-  if m.attempt and h[10] == m.token and m.token ~= '' then return current, 1 end
-  if not allowed_set(m.allowed)[current] then return current, 0 end
-  local fields = m.fields
-  local job = h[3]
+  if tpl.attempt and h[10] == m.token and m.token ~= '' then return current, 1 end
+  if not tpl.allowed[current] then return current, 0 end
+  local job, new = h[3], tpl.new
   local in_job = job and job ~= ''
-  if in_job and h[4] and FOLDED[m.new] then
-    fold(key, h, m, ctx.jobs .. job)  -- its hash goes: no point writing it
+  if in_job and h[4] and FOLDED[new] then
+    fold(key, h, m, ctx.jobs .. job, ctx.folds)  -- its hash goes: no point writing it
   else
-    if m.stampf ~= '' then fields[#fields + 1] = m.stampf; fields[#fields + 1] = ctx.ts end
-    if m.attempt then
+    local fields = {unpack(tpl.fields)}
+    for _, x in ipairs(m.fields) do fields[#fields + 1] = x end
+    if tpl.stampf ~= '' then fields[#fields + 1] = tpl.stampf; fields[#fields + 1] = ctx.ts end
+    if tpl.attempt then
       fields[#fields + 1] = 'attempts'
       fields[#fields + 1] = tostring((tonumber(h[6]) or 0) + 1)
       fields[#fields + 1] = 'started'
       fields[#fields + 1] = m.token
     end
     fields[#fields + 1] = 'state'
-    fields[#fields + 1] = m.new
+    fields[#fields + 1] = new
     redis.call('HSET', key, unpack(fields))
   end
-  if current == 'queued' and m.new ~= 'queued' and h[7] then
+  if current == 'queued' and new ~= 'queued' and h[7] then
     quota_add(h[7], -1, -(tonumber(h[8] or '0') or 0))  -- it counted in a quota of its own
   end
-  if in_job and current ~= m.new then count_move(tally, job, current, m.new, h[7] and true or false) end
-  if in_job and FOLDED[m.new] and not FOLDED[current] then count_finished(tally, job, id) end
+  if in_job and current ~= new then count_move(tally, job, current, new, h[7] and true or false) end
+  if in_job and FOLDED[new] and not FOLDED[current] then count_finished(tally, job, id) end
   return current, 1
 end
 
--- Reads one task's move from ARGV at `at`: new state, allowed from-states, token, stamp
--- field, whether it counts an attempt ('1'), then a count of field/value pairs and the pairs.
--- Returns the move and the next `at`. A move never sets a task's job: only the producer that
--- created the task and counted it in its job does (a message cannot join a job).
-local function read_move(at)
-  local m = {new = ARGV[at], allowed = ARGV[at + 1], token = ARGV[at + 2],
-             stampf = ARGV[at + 3], attempt = ARGV[at + 4] == '1', fields = {}}
-  local n = tonumber(ARGV[at + 5])
-  for j = 1, 2 * n, 2 do
-    if ARGV[at + 5 + j] ~= 'job_id' then
-      m.fields[#m.fields + 1] = ARGV[at + 5 + j]
-      m.fields[#m.fields + 1] = ARGV[at + 6 + j]
-    end
+-- Reads a call's move templates from ARGV at `at` (vlmq/broker/state/tasks.py encode_moves):
+-- T, then per template its new state, allowed from-states, stamp field, whether it counts an
+-- attempt ('1'), then a count of field/value pairs and the pairs its moves share. Returns
+-- the templates and the next `at`.
+local function read_templates(at)
+  local templates, n = {}, tonumber(ARGV[at])
+  at = at + 1
+  for i = 1, n do
+    local k = tonumber(ARGV[at + 4])
+    local fields = read_fields(at + 5, k)
+    templates[i] = {new = ARGV[at], allowed = allowed_set(ARGV[at + 1]), stampf = ARGV[at + 2],
+                    attempt = ARGV[at + 3] == '1', fields = fields, stored = stores(fields)}
+    at = at + 5 + 2 * k
   end
-  return m, at + 6 + 2 * n
+  return templates, at
+end
+
+-- Reads one task's move from ARGV at `at`: its template (1-based), token, then a count of its
+-- own field/value pairs and the pairs. Returns the move and the next `at`.
+local function read_move(templates, at)
+  local k = tonumber(ARGV[at + 2])
+  local m = {tpl = templates[tonumber(ARGV[at])], token = ARGV[at + 1]}
+  if k > 0 then
+    m.fields = read_fields(at + 3, k)
+    m.stored = stores(m.fields)
+  else
+    m.fields = {}
+  end
+  return m, at + 3 + 2 * k
 end
 
 -- A fed task without a hash ended and was folded: its job's record says how, and which
@@ -189,9 +248,12 @@ end
 -- nothing of this holder's is the task's) or '' (unknown). A task folded by this very
 -- delivery (its own earlier settle) reads as held, never as someone else's.
 local function fenced_move(key, id, m, ctx, tally)
+  -- (a task twice in one call: its first move's fold is written before its second is read)
+  if ctx.folds.deleting[key] then write_folds(ctx.folds) end
   local h = redis.call('HMGET', key, unpack(MOVE_FIELDS))
   if m.token ~= '' and h[2] ~= m.token then
     if h[2] then return h[1] or '', 0, 0, h, h[2] end
+    if #ctx.folds.keys > 0 then write_folds(ctx.folds) end  -- its record may be among them
     local state, delivery = folded_record(id, ctx)
     if not state then return '', 0, 0, h, '' end
     if delivery == m.token then return state, 0, 1, h, delivery end
@@ -199,27 +261,29 @@ local function fenced_move(key, id, m, ctx, tally)
   end
   local previous, moved = move(key, id, m, h, ctx, tally)
   -- Someone waits for this task's end (an API process answering a call synchronously).
-  if moved == 1 and h[11] and FOLDED[m.new] then redis.call('PUBLISH', h[11], id) end
+  if moved == 1 and h[11] and FOLDED[m.tpl.new] then redis.call('PUBLISH', h[11], id) end
   return previous, moved, 1, h, h[2] or ''
 end
 
 -- transition: producers and the worker's start. KEYS[1] events list, KEYS[2..] task hashes.
--- ARGV: job key prefix, job-ref key prefix, ttl seconds, then per task its id and a move
--- (read_move). Returns {previous, moved, held, current} per task (fenced_move); a fenced-out
+-- ARGV: job key prefix, job-ref key prefix, ttl seconds, the move templates (read_templates),
+-- then per task its id and its move (read_move). Returns {previous, moved, held, current} per task (fenced_move); a fenced-out
 -- move is not applied. Called with a call id (a retried start counts one attempt; a retried
 -- cancel answers what it did).
 function commands.transition()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
-               events = KEYS[1]}
-  local replies, at, tally = {}, 5, new_tally()
+               events = KEYS[1], folds = new_folds()}
+  local templates, at = read_templates(5)
+  local replies, tally = {}, new_tally()
   for i = 2, #KEYS do
     local id = ARGV[at]
     local m
-    m, at = read_move(at + 1)
+    m, at = read_move(templates, at + 1)
     local previous, moved, held, _, current = fenced_move(KEYS[i], id, m, ctx, tally)
     replies[i - 1] = {previous, moved, held, current}
   end
+  write_folds(ctx.folds)
   apply_tally(tally, ctx)
   return replies
 end
@@ -231,8 +295,8 @@ commands.start = commands.transition
 
 -- settle: terminal transitions and acknowledgements of held tasks, one step (allow-oom).
 -- KEYS[1..5] bookkeeping, KEYS[6] events list, KEYS[7..] task hashes. ARGV: job key prefix,
--- job-ref key prefix, ttl seconds, usage key prefix, usage-tenants set, then per task its id,
--- a move and its usage (read_usage). Returns {previous, moved, held, current} per task: a
+-- job-ref key prefix, ttl seconds, usage key prefix, usage-tenants set, the usage groups
+-- (read_usage_groups), then per task its id, a move, its usage group (0: none) and own values. Returns {previous, moved, held, current} per task: a
 -- holder that was fenced out (held 0) changes nothing, and its result never becomes the
 -- task's (nor counts in usage); a task that ended meanwhile is forgotten from the in-flight
 -- set either way. Safe to repeat: a task its first run ended reads as this holder's (its
@@ -240,23 +304,27 @@ commands.start = commands.transition
 function commands.settle()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
-               events = KEYS[6], keep = true}
-  local replies, at, tally, settled = {}, 7, new_tally(), {}
-  local sums = new_sums()
+               events = KEYS[6], keep = true, folds = new_folds()}
+  local groups, at = read_usage_groups(7)
+  local templates
+  templates, at = read_templates(at)
+  local replies, tally, settled = {}, new_tally(), {}
   for i = 7, #KEYS do
     local id = ARGV[at]
-    local m, u
-    m, at = read_move(at + 1)
-    u, at = read_usage(at)
+    local m
+    m, at = read_move(templates, at + 1)
+    local group, own = groups[tonumber(ARGV[at])], ARGV[at + 1]
+    at = at + 2
     local previous, moved, held, h, current = fenced_move(KEYS[i], id, m, ctx, tally)
     if held == 1 or current == 'ended' then settled[#settled + 1] = id end
-    if u and held == 1 and moved == 1 then
-      count_usage(sums, h[3], h[9], u, ctx.jobs, ARGV[5])
-    end
+    if group and held == 1 and moved == 1 then note_usage(group, h[3], h[9], own) end
     replies[i - 6] = {previous, moved, held, current}
   end
   forget_all(settled)
+  local sums = new_sums()
+  count_groups(sums, groups, ctx.jobs, ARGV[5])
   write_sums(sums, ARGV[6], ctx.ttl)
+  write_folds(ctx.folds)
   apply_tally(tally, ctx)
   return replies
 end

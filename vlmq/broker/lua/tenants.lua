@@ -40,13 +40,36 @@ end
 local USAGE_METRICS = {'prompt_tokens', 'completion_tokens', 'requests', 'model_us', 'gpu_us',
                        'cost_ucents'}
 
--- Reads one task's usage from ARGV at `at`: '' (none) or dims then the metrics (integers:
--- config/usage.py METRICS, GPU microseconds and micro-cents included, so sums are exact).
-local function read_usage(at)
-  if ARGV[at] == '' then return nil, at + 1 end
-  local u = {dims = ARGV[at], values = {}}
-  for j = 1, #USAGE_METRICS do u.values[j] = tonumber(ARGV[at + j]) or 0 end
-  return u, at + 1 + #USAGE_METRICS
+-- A settle's usage (config/usage.py usage_argv): its tasks grouped by model, modality and
+-- the job their worker read, each group's sums once; per task its group and its own values.
+-- Reads the groups from ARGV at `at`: G, then per group its dims, task count and sums.
+local function read_usage_groups(at)
+  local groups, n = {}, tonumber(ARGV[at])
+  at = at + 1
+  for g = 1, n do
+    local group = {dims = ARGV[at], n = tonumber(ARGV[at + 1]), values = {}, jobs = {},
+                   tenants = {}, owns = {}}
+    for j = 1, #USAGE_METRICS do group.values[j] = tonumber(ARGV[at + 1 + j]) or 0 end
+    groups[g] = group
+    at = at + 2 + #USAGE_METRICS
+  end
+  return groups, at
+end
+
+-- A task of `group` that moved under this holder: its job and tenant as its hash had them,
+-- and its own values (`own`, read only if its group is not counted whole).
+local function note_usage(group, job, tenant, own)
+  local k = #group.owns + 1
+  group.jobs[k], group.tenants[k], group.owns[k] = job or false, tenant or false, own
+  if k > 1 and (group.jobs[1] ~= group.jobs[k] or group.tenants[1] ~= group.tenants[k]) then
+    group.mixed = true
+  end
+end
+
+local function own_values(own)
+  local values = {}
+  for word in string.gmatch(own, '%S+') do values[#values + 1] = tonumber(word) or 0 end
+  return values
 end
 
 -- A settle call's usage, summed per key and field and written once at its end: a batch of 64
@@ -94,6 +117,23 @@ local function count_usage(sums, job, tenant, u, jobprefix, usage_prefix)
     local key = jobprefix .. job .. ':usage'
     add_usage(sums, key, u)
     sums.jobs[key] = true
+  end
+end
+
+-- Counts each group's tasks that moved: its sums once when all of them moved under one job
+-- and tenant (a batch of one job: no parsing per task), else each task's own values.
+local function count_groups(sums, groups, jobprefix, usage_prefix)
+  for _, group in ipairs(groups) do
+    local moved = #group.owns
+    if moved > 0 and moved == group.n and not group.mixed then
+      local u = {dims = group.dims, values = group.values}
+      count_usage(sums, group.jobs[1] or nil, group.tenants[1] or nil, u, jobprefix, usage_prefix)
+    else
+      for k = 1, moved do
+        local u = {dims = group.dims, values = own_values(group.owns[k])}
+        count_usage(sums, group.jobs[k] or nil, group.tenants[k] or nil, u, jobprefix, usage_prefix)
+      end
+    end
   end
 end
 

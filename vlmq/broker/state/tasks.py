@@ -22,7 +22,7 @@ from vlmq.broker.scripts import Call, Scripts, Wait
 from vlmq.config.ids import FED_ID, valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.status import TaskState, sources_of
-from vlmq.config.usage import TaskUsage
+from vlmq.config.usage import TaskUsage, usage_argv
 from vlmq.stores.base import result_key
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "Move",
     "Moved",
     "Tasks",
-    "encode_move",
+    "encode_moves",
     "with_state",
 ]
 
@@ -117,15 +117,37 @@ def _allowed_from(states: Iterable[TaskState | None]) -> str:
     return ",".join("-" if s is None else s.value for s in states)
 
 
-def encode_move(move: Move, only_from: Iterable[TaskState | None] | None = None) -> list[Any]:
-    """A move as ``lua/tasks.lua``'s ``read_move`` takes it from ARGV. A field whose value is
-    None is not written (a success's error fields): every reader takes a field that is absent
-    as unset, and each field costs the script an argument and the hash a scan."""
-    allowed = _allowed_from(only_from if only_from is not None else sources_of(move.state))
-    pairs = [x for k, v in move.fields.items() if v is not None for x in (k, _as_text(v))]
-    token = "" if move.token is None else str(move.token)
-    attempt = "1" if move.count_attempt else "0"
-    return [move.state.value, allowed, token, move.stamp or "", attempt, len(pairs) // 2, *pairs]
+def encode_moves(
+    moves: Sequence[Move], only_from: Iterable[TaskState | None] | None = None
+) -> tuple[list[Any], list[list[Any]]]:
+    """Moves as ``lua/tasks.lua`` takes them from ARGV (read_templates, read_move): what the
+    moves share once per call, as templates (new state, allowed from-states, stamp field,
+    whether it counts an attempt, and the fields every move of that kind sets to the same
+    value: a batch's worker, modality, batch id), then per move its template, token and own
+    fields. A start of 32 tasks then sends each task's id and token, not its move whole: each
+    argument costs the script a string. A field whose value is None is not written (a
+    success's error fields): every reader takes a field that is absent as unset, and each
+    field costs the hash a scan."""
+    kinds: dict[tuple[str, str, str, str], list[int]] = {}
+    for index, move in enumerate(moves):
+        allowed = _allowed_from(only_from if only_from is not None else sources_of(move.state))
+        kind = (move.state.value, allowed, move.stamp or "", "1" if move.count_attempt else "0")
+        kinds.setdefault(kind, []).append(index)
+    header: list[Any] = [len(kinds)]
+    per_move: list[list[Any]] = [[] for _ in moves]
+    for number, (kind, members) in enumerate(kinds.items(), start=1):
+        own = [_set_fields(moves[i]) for i in members]
+        shared = dict(set.intersection(*(set(fields.items()) for fields in own)))
+        header += [*kind, len(shared), *(x for pair in sorted(shared.items()) for x in pair)]
+        for i, fields in zip(members, own, strict=True):
+            rest = [x for k, v in fields.items() if k not in shared for x in (k, v)]
+            token = moves[i].token
+            per_move[i] = [number, "" if token is None else str(token), len(rest) // 2, *rest]
+    return header, per_move
+
+
+def _set_fields(move: Move) -> dict[str, str]:
+    return {k: _as_text(v) for k, v in move.fields.items() if v is not None}
 
 
 def _as_text(value: Any) -> str:
@@ -175,9 +197,10 @@ class Tasks:
     ) -> list[Moved]:
         if not moves:
             return []
-        argv: list[Any] = [self.keys.job_prefix, self.keys.job_ref_prefix, self.ttl_s]
-        for move in moves:
-            argv += [move.task_id, *encode_move(move, only_from)]
+        header, per_move = encode_moves(moves, only_from)
+        argv: list[Any] = [self.keys.job_prefix, self.keys.job_ref_prefix, self.ttl_s, *header]
+        for move, encoded in zip(moves, per_move, strict=True):
+            argv += [move.task_id, *encoded]
         keys = [self.keys.events(), *(self.keys.task(m.task_id) for m in moves)]
         reply = self.scripts(command, keys, argv, call=call)
         return _moved(moves, reply)
@@ -196,11 +219,12 @@ class Tasks:
         it already ended reads as held by this delivery, moved no further, counted once."""
         if not moves:
             return []
+        groups, per_task = usage_argv(usage or [None] * len(moves))
+        header, per_move = encode_moves(moves)
         args: list[Any] = [self.keys.job_prefix, self.keys.job_ref_prefix, self.ttl_s]
-        args += [self.keys.usage_prefix, self.keys.usage_tenants()]
-        for index, move in enumerate(moves):
-            used = usage[index] if usage else None
-            args += [move.task_id, *encode_move(move), *(used.argv() if used else [""])]
+        args += [self.keys.usage_prefix, self.keys.usage_tenants(), *groups, *header]
+        for move, encoded, used in zip(moves, per_move, per_task, strict=True):
+            args += [move.task_id, *encoded, *used]
         keys = [*self.keys.bookkeeping(), self.keys.events(), *map(self.keys.task, _ids(moves))]
         reply = self.scripts("settle", keys, args, wait=self.wait)
         return _moved(moves, reply)

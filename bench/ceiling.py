@@ -1,7 +1,8 @@
 """The fleet's ceiling: one Redis driven by 2-16 no-op workers, beside a raw consumer.
 
     python -m bench.ceiling [--workers 2,4,8,16] [--tasks 20000] [--batch 32]
-        [--enqueue fed|ids] [--repeats 3] [--against CHECKOUT] [--write bench/README.md]
+        [--enqueue fed|ids] [--repeats 3] [--against CHECKOUT] [--commands N]
+        [--write bench/README.md]
 
 For each worker count N, in each round, on one fresh ``redis-server`` (AOF everysec, as the
 compose file runs it), one after the other:
@@ -24,6 +25,8 @@ the last task done (raw: the last pop; vlmq: the job's ``finished_at``); ``busy`
 thread's CPU over those seconds, the share of one core Redis spent; ``ceiling`` is what one
 Redis core would do at that cost: 1 s over the CPU per task. Before the drain, the registered
 workers idle for ``--idle-s``: Redis CPU per idle worker per second (they poll an empty queue).
+``--commands N`` lists each drain's N costliest commands by Redis's own count
+(``INFO commandstats``, reset at the go): where a change of the scripts moved the cost.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis as redis_py
 
@@ -101,6 +105,7 @@ class Plan:
     idle_s: float
     against: Path | None
     against_label: str
+    commands: int = 0  # the costliest commands to list per run (0: none)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,9 @@ class Sample:
     dequeue_s: float  # ... over the drain
     process_s: float  # the whole redis-server process over both
     idle_us: float = 0.0  # Redis CPU per idle worker per second (vlmq only)
+    # The drain's commands (INFO commandstats): name -> (calls, microseconds); a script's
+    # time includes the commands it calls, which are listed too.
+    commands: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def us_per_task(self) -> float:
@@ -282,18 +290,36 @@ def measure_vlmq(
         _enqueue(tree, env, plan)
         cpu1 = meter.main()
         go = time.time()
+        redis.config_resetstat()
         _signal_all(procs, signal.SIGCONT)
         wait_for(lambda: _registered(redis, procs, tmp) and _finished(redis), 900, "the drain")
         cpu2, whole2 = meter.main(), meter.process()
         done = float(redis.hget(Keys().job(JOB), "finished_at") or 0)
+        commands = _commands(redis)
     finally:
         _stop(procs)
     succeeded = int(redis.hget(Keys().job(JOB), "succeeded") or 0)
     if succeeded != plan.tasks:
         raise RuntimeError(f"{label}: {succeeded} of {plan.tasks} tasks succeeded (logs: {tmp})")
     return Sample(
-        label, n, plan.tasks, done - go, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0, idle_us
+        label,
+        n,
+        plan.tasks,
+        done - go,
+        cpu1 - cpu0,
+        cpu2 - cpu1,
+        whole2 - whole0,
+        idle_us,
+        commands,
     )
+
+
+def _commands(redis: redis_py.Redis) -> dict[str, tuple[int, int]]:
+    stats: dict[str, dict[str, Any]] = redis.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+        for name, v in stats.items()
+    }
 
 
 def _finished(redis: redis_py.Redis) -> bool:
@@ -385,7 +411,38 @@ def render(report: Report, command: str) -> str:
     ]
     for n in plan.workers:
         lines += [_row(report, consumer, n) for consumer in consumers]
+    if plan.commands:
+        lines += ["", *_command_rows(report, consumers[1:])]
     return "\n".join(lines)
+
+
+def _command_rows(report: Report, consumers: Sequence[str]) -> list[str]:
+    """The drain's costliest commands per consumer and worker count, by Redis's own count of
+    each command's time (a script's includes what it calls)."""
+    lines = [
+        f"Where the drain's Redis time goes (`INFO commandstats`, the {report.plan.commands} "
+        "costliest commands; EVALSHA's time includes the commands its scripts call, listed "
+        "again on their own; medians of the rounds):",
+        "",
+        "| consumer | workers | command | calls/task | us/task | us/call |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for n in report.plan.workers:
+        for consumer in consumers:
+            got = report.of(consumer, n)
+            names = {name for s in got for name in s.commands}
+
+            def per_task(name: str, got: list[Sample] = got) -> float:
+                return statistics.median(s.commands.get(name, (0, 0))[1] / s.tasks for s in got)
+
+            for name in sorted(names, key=per_task, reverse=True)[: report.plan.commands]:
+                calls = statistics.median(s.commands.get(name, (0, 0))[0] / s.tasks for s in got)
+                us = per_task(name)
+                per_call = us / calls if calls else 0.0
+                lines.append(
+                    f"| {consumer} | {n} | {name} | {calls:.3f} | {us:.2f} | {per_call:.2f} |"
+                )
+    return lines
 
 
 def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
@@ -399,12 +456,23 @@ def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
     parser.add_argument("--against", default=None, help="A checkout of another commit.")
     parser.add_argument("--label", default=None, help="The checkout's name in the table.")
     parser.add_argument("--write", default=None, help="Markdown file to put the table in.")
+    parser.add_argument(
+        "--commands", type=int, default=0, help="List the N costliest commands of each drain."
+    )
     args = parser.parse_args(argv)
     against = Path(args.against).resolve() if args.against else None
     label = args.label or (f"vlmq at {against.name}" if against else "")
     workers = tuple(int(w) for w in args.workers.split(","))
     plan = Plan(
-        workers, args.tasks, args.batch, args.enqueue, args.repeats, args.idle_s, against, label
+        workers,
+        args.tasks,
+        args.batch,
+        args.enqueue,
+        args.repeats,
+        args.idle_s,
+        against,
+        label,
+        args.commands,
     )
     return plan, args.write
 

@@ -156,3 +156,25 @@ def test_a_tag_that_stands_for_a_digest_names_no_task(settings):
     assert pulled["victim"].raw == raw
     (other,) = [t for t in pulled if t != "victim"]
     assert other.startswith("invalid-")
+
+
+def test_a_user_denied_object_still_pulls_with_the_bookkeeping_compact(settings):
+    admin = Client(settings).redis
+    admin.acl_setuser(
+        "no-object",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-object"],
+    )
+    try:
+        url = settings.redis_url.replace("redis://", "redis://no-object:pw@", 1)
+        client = Client(settings.model_copy(update={"redis_url": url}))
+        submit_jsonl(client, _lines(3), "job")
+        held = _pull(client)
+        assert len(held) == 3
+        assert admin.object("encoding", KEYS.leases()) == "listpack"
+        assert all(r.moved for r in client.state.tasks.settle([_succeed(d) for d in held]))
+    finally:
+        admin.acl_deluser("no-object")

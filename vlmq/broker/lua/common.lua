@@ -71,11 +71,13 @@ local WIDE_ANCHOR = 'vlmq:wide:' .. string.rep('-', 90)
 local COMPACT = {listpack = true, ziplist = true}
 
 -- Widens each of `keys` (kind: 'hash' | 'zset') that is compact or absent; returns the
--- keys that got the anchor, for unanchor.
+-- keys that got the anchor, for unanchor. (An ACL that denies OBJECT leaves them as they are:
+-- slower, never wrong.)
 local function widen(keys, kinds)
   local anchored = {}
   for i, key in ipairs(keys) do
-    local encoding = redis.call('OBJECT', 'ENCODING', key)
+    local encoding = redis.pcall('OBJECT', 'ENCODING', key)
+    if type(encoding) == 'table' and encoding.err then return anchored end
     if not encoding or COMPACT[encoding] then
       if kinds[i] == 'zset' then
         redis.call('ZADD', key, 0, WIDE_ANCHOR)

@@ -116,11 +116,17 @@ local function field_index(names, name)
   return nil
 end
 
--- Reads the status field names from ARGV at `at`: a count F, then F names.
+-- Reads the status fields' layout from ARGV at `at` (vlmq/broker/state/jobs.py
+-- status_layout): a count F, then the F names each task sends a value for, then a count S and
+-- S name/value pairs every task of the call has (its job, class, expiry: sent once). Returns
+-- the names, the shared pairs and the next `at`.
 local function read_names(at)
   local names, nf = {}, tonumber(ARGV[at])
   for i = 1, nf do names[i] = ARGV[at + i] end
-  return names, at + nf + 1
+  at = at + nf + 1
+  local shared = {}
+  for i = at + 1, at + 2 * tonumber(ARGV[at]) do shared[#shared + 1] = ARGV[i] end
+  return names, shared, at + #shared + 1
 end
 
 local commands = {}

@@ -144,9 +144,9 @@ end
 -- A new queued task's hash: its status fields (values '' are left unset; 'tag' among them,
 -- the message's: intake.lua, identity) on Redis's clock (created when queued: queued_at says
 -- both, `ts`, stamp(t) of the call; each field costs the listpack a scan), and its ttl (`ttl`,
--- seconds as ARGV has them).
-local function create_task(key, names, at, ts, ttl)
-  local fields = {'queued_at', ts}
+-- seconds as ARGV has them). `shared`: the pairs every task of the call has (read_names).
+local function create_task(key, names, at, ts, ttl, shared)
+  local fields = {'queued_at', ts, unpack(shared)}
   for j = 1, #names do
     local value = ARGV[at + j - 1]
     if value ~= '' then
@@ -171,12 +171,12 @@ function commands.submit()
   local jobkey, tasks = KEYS[1], KEYS[2]
   local job, ttl, sub, prefix = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[6]
   local pairs_n = tonumber(ARGV[7])
-  local names, at = read_names(9)
+  local names, shared, at = read_names(9)
   local first_task, pushed, ids, tokens, ts = 5 + 2 * pairs_n, {}, {}, 0, stamp(t)
   local est_at = field_index(names, 'est')
   for i = first_task, #KEYS do
     local pair = tonumber(ARGV[at])
-    create_task(KEYS[i], names, at + 1, ts, ARGV[3])
+    create_task(KEYS[i], names, at + 1, ts, ARGV[3], shared)
     if est_at then tokens = tokens + (tonumber(ARGV[at + est_at]) or 0) end
     push(pair, ARGV[at + 1 + #names], pushed)
     ids[#ids + 1] = string.sub(KEYS[i], #prefix + 1)
@@ -204,13 +204,13 @@ function commands.enqueue()
   local t = now()
   local ttl, prefix, refs = tonumber(ARGV[2]), ARGV[3], ARGV[4]
   local lists_n, jobs_n = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local names, at = read_names(7)
+  local names, shared, at = read_names(7)
   local first_task = 2 + lists_n + 2 * jobs_n
   local est_at = field_index(names, 'est')
   local pushed, listed, counted, tokens, ts = {}, {}, {}, 0, stamp(t)
   for i = first_task, #KEYS do
     local list, pair = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
-    create_task(KEYS[i], names, at + 2, ts, ARGV[2])
+    create_task(KEYS[i], names, at + 2, ts, ARGV[2], shared)
     if est_at then tokens = tokens + (tonumber(ARGV[at + 1 + est_at]) or 0) end
     local messages = pushed[list] or {}
     messages[#messages + 1] = ARGV[at + 2 + #names]
@@ -345,7 +345,7 @@ function commands.feed()
   end
   local consumed, pairs_n = tonumber(ARGV[9]), tonumber(ARGV[10])
   local job_lists = ARGV[11] == '1'
-  local names, at = read_names(13)
+  local names, shared, at = read_names(13)
   local first_task, codes, pushed, dropped = 7 + 2 * pairs_n, {}, {}, 0
   local claimed, new_claims = {}, {}  -- claims this chunk makes, written in one call
   local fed, fed_bytes = 0, 0  -- messages pushed and their bytes (the feeder's byte window)
@@ -372,7 +372,7 @@ function commands.feed()
       claimed[claim] = true
       new_claims[#new_claims + 1] = claim
       new_claims[#new_claims + 1] = sub
-      create_task(KEYS[i], names, at + 2, ts, ARGV[3])
+      create_task(KEYS[i], names, at + 2, ts, ARGV[3], shared)
       push(pair, ARGV[at + 2 + #names], pushed)
       fed, fed_bytes = fed + 1, fed_bytes + #ARGV[at + 2 + #names]
     else

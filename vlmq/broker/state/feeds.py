@@ -8,7 +8,7 @@ from typing import Any
 import redis as redis_py
 
 from vlmq.broker.scripts import Call, Scripts
-from vlmq.broker.state.jobs import QUEUED_FIELDS, Jobs, Queued, class_pairs
+from vlmq.broker.state.jobs import Jobs, Queued, class_pairs, status_layout
 from vlmq.config.keys import Keys
 from vlmq.config.status import TaskState
 from vlmq.config.tenants import DEFAULT_TENANT
@@ -96,10 +96,11 @@ class Feeds:
         pairs = class_pairs(self.keys, keys, job_id, lines, lane, tenant)
         args: list[Any] = [job_id, self.ttl_s, submission, feed_id, self.keys.task_prefix]
         args += [*cursor, consumed, len(pairs), "1" if lane == "bulk" else "0"]
-        args += [self.keys.job_ref_prefix, len(QUEUED_FIELDS), *QUEUED_FIELDS]
-        for line in lines:
+        header, values = status_layout(lines)
+        args += [self.keys.job_ref_prefix, *header]
+        for line, own in zip(lines, values, strict=True):
             keys.append(self.keys.task(line.task_id))
             claim = str(line.fields.get("claim") or "")
-            args += [claim, pairs[line.modality], *line.values(), line.message]
+            args += [claim, pairs[line.modality], *own, line.message]
         outcome, codes = self.scripts("feed", keys, args)
         return str(outcome), [str(c) for c in codes]

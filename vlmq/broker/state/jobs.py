@@ -34,7 +34,7 @@ from vlmq.config.keys import Keys
 from vlmq.config.status import JobStatus, TaskState
 from vlmq.config.tenants import DEFAULT_TENANT
 
-__all__ = ["QUEUED_FIELDS", "Jobs", "Queued", "class_pairs"]
+__all__ = ["QUEUED_FIELDS", "Jobs", "Queued", "class_pairs", "status_layout"]
 
 # The status fields a new task's hash is created with (besides state and the stamps):
 # ``claim`` marks a fed task, folded into its job when it ends (lua/tasks.lua ``fold``);
@@ -55,6 +55,9 @@ QUEUED_FIELDS = (
 )
 # The fields a producer gives; the tag is read from the message.
 _GIVEN_FIELDS = QUEUED_FIELDS[:-1]
+# The fields a call's tasks may share, sent once when they do ('est' stays per task: the
+# scripts sum it).
+_SHAREABLE = frozenset({"job_id", "modality", "queue", "expires_at", "tenant", "quota", "notify"})
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,23 @@ class Queued:
 
 def _as_text(value: Any) -> str:
     return "" if value is None else str(value)
+
+
+def status_layout(lines: Sequence[Queued]) -> tuple[list[Any], list[list[str]]]:
+    """The status fields as the enqueueing scripts read them (common.lua read_names): the
+    names each task sends a value for, then the name/value pairs all of the call's tasks
+    share (a chunk's job, class and expiry: sent once, not once a task, and an empty one not
+    at all); and each task's values for those names. Each argument costs the script a string."""
+    values = [line.values() for line in lines]
+    same = {
+        i
+        for i, name in enumerate(QUEUED_FIELDS)
+        if name in _SHAREABLE and len({v[i] for v in values}) == 1
+    }
+    own = [i for i in range(len(QUEUED_FIELDS)) if i not in same]
+    pairs = [x for i in sorted(same) if values[0][i] for x in (QUEUED_FIELDS[i], values[0][i])]
+    header = [len(own), *(QUEUED_FIELDS[i] for i in own), len(pairs) // 2, *pairs]
+    return header, [[v[i] for i in own] for v in values]
 
 
 class Jobs:
@@ -200,10 +220,11 @@ class Jobs:
         pairs = class_pairs(self.keys, keys, job_id, lines, "bulk", self.tenant(job_id))
         args: list[Any] = [job_id, self.ttl_s, submission, self.submitter_lease_s]
         args += [self.keys.task_prefix, len(pairs), self.keys.job_ref_prefix]
-        args += [len(QUEUED_FIELDS), *QUEUED_FIELDS]
-        for line in lines:
+        header, values = status_layout(lines)
+        args += header
+        for line, own in zip(lines, values, strict=True):
             keys.append(self.keys.task(line.task_id))
-            args += [pairs[line.modality], *line.values(), line.message]
+            args += [pairs[line.modality], *own, line.message]
         return int(self.scripts("submit", keys, args))
 
     def enqueue(self, tenant: str, lines: Sequence[Queued]) -> int:
@@ -223,11 +244,12 @@ class Jobs:
         for job_id in jobs:
             keys += [self.keys.job(job_id), self.keys.job_tasks(job_id)]
         args: list[Any] = [self.ttl_s, self.keys.task_prefix, self.keys.job_ref_prefix]
-        args += [len(lists), len(jobs), len(QUEUED_FIELDS), *QUEUED_FIELDS]
-        for line in lines:
+        header, values = status_layout(lines)
+        args += [len(lists), len(jobs), *header]
+        for line, own in zip(lines, values, strict=True):
             keys.append(self.keys.task(line.task_id))
             pair = jobs.get(str(line.fields.get("job_id") or ""), 0)
-            args += [lists[str(line.fields["queue"])], pair, *line.values(), line.message]
+            args += [lists[str(line.fields["queue"])], pair, *own, line.message]
         return int(self.scripts("enqueue", keys, args))
 
     # reads -----------------------------------------------------------------

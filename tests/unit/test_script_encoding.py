@@ -1,7 +1,9 @@
-"""How moves and usage are laid out for the scripts: what a call's moves share goes once."""
+"""How tasks, moves and usage are laid out for the scripts: what a call's tasks share goes
+once."""
 
 from __future__ import annotations
 
+from vlmq.broker.state.jobs import QUEUED_FIELDS, Queued, status_layout
 from vlmq.broker.state.tasks import Move, encode_moves
 from vlmq.config.status import TaskState
 from vlmq.config.usage import TaskUsage, usage_argv
@@ -44,3 +46,32 @@ def test_usage_is_grouped_by_model_modality_and_job():
         ["1", "10 20 1 1500000 30 40"],
         ["2", "5 5 1 0 0 0"],
     ]
+
+
+def _queued(n: int, modality: str, est: int | None) -> Queued:
+    fields: dict[str, object] = {"job_id": "j", "custom_id": f"c{n}", "modality": modality}
+    fields |= {"claim": f"k{n}", "est": est, "expires_at": "1.5"}
+    return Queued(f"t{n}", f"c{n}", modality, fields, f'{{"delivery_tag":"tag{n}"}}')
+
+
+def test_a_chunks_shared_status_fields_go_once_and_est_always_per_task():
+    lines = [_queued(0, "text", 5), _queued(1, "image", 5)]
+    header, values = status_layout(lines)
+    names = header[1 : 1 + header[0]]
+    assert names == ["custom_id", "modality", "claim", "est", "tag"]
+    shared = header[2 + header[0] :]
+    assert header[1 + header[0]] == 2 and shared == ["job_id", "j", "expires_at", "1.5"]
+    assert values[0][:4] == ["c0", "text", "k0", "5"] and values[1][:4] == [
+        "c1",
+        "image",
+        "k1",
+        "5",
+    ]
+    assert values[0][4] != values[1][4]  # each message's tag
+    # Every field a line has is in its names or the shared pairs, with its value.
+    for line, own in zip(lines, values, strict=True):
+        given = dict(zip(QUEUED_FIELDS, line.values(), strict=True))
+        laid = dict(zip(names, own, strict=True)) | dict(
+            zip(shared[::2], shared[1::2], strict=True)
+        )
+        assert {k: v for k, v in given.items() if v} == {k: v for k, v in laid.items() if v}

@@ -82,9 +82,14 @@ end
 local FOLDED = {succeeded = 'S', failed = 'F', cancelled = 'C', expired = 'E'}
 local FOLDED_STATE = {S = 'succeeded', F = 'failed', C = 'cancelled', E = 'expired'}
 
--- The task hash fields a move reads, once (fenced_move): h[1..11].
-local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'custom_id', 'attempts',
-                     'quota', 'est', 'tenant', 'started', 'notify'}
+-- The task hash fields a move reads, once (fenced_move), and their places in what it read:
+-- first what every move needs, then what only an end needs (a call that ends no task, a
+-- start, reads the first seven: each field costs the listpack a scan).
+local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'attempts', 'quota', 'est', 'started',
+                     'claim', 'custom_id', 'tenant', 'notify'}
+local STATE, DELIVERIES, JOB, ATTEMPTS, QUOTA, EST, STARTED = 1, 2, 3, 4, 5, 6, 7
+local CLAIM, CUSTOM_ID, TENANT, NOTIFY = 8, 9, 10, 11
+local START_FIELDS = 7
 
 -- A call's folds are written at its end (write_folds): per job one HMGET and one HSET of its
 -- claims, and one DEL of the folded hashes, instead of three commands a task. `ctx.folds`:
@@ -101,11 +106,11 @@ local function fold(key, h, m, jobkey, folds)
   end
   local tail = FOLDED[m.tpl.new]
   if m.tpl.stored or m.stored then
-    tail = tail .. h[2]
+    tail = tail .. h[DELIVERIES]
   else
-    tail = tail .. ' ' .. (h[5] or '')
+    tail = tail .. ' ' .. (h[CUSTOM_ID] or '')
   end
-  pending.claims[#pending.claims + 1] = h[4]
+  pending.claims[#pending.claims + 1] = h[CLAIM]
   pending.tails[#pending.tails + 1] = tail
   folds.keys[#folds.keys + 1] = key
   folds.deleting[key] = true
@@ -166,13 +171,13 @@ end
 -- Returns previous state, moved (1|0).
 local function move(key, id, m, h, ctx, tally)
   local tpl = m.tpl
-  local current = h[1] or ''
+  local current = h[STATE] or ''
   -- A start (it counts an attempt) this very delivery already made: it moved, once.
-  if tpl.attempt and h[10] == m.token and m.token ~= '' then return current, 1 end
+  if tpl.attempt and h[STARTED] == m.token and m.token ~= '' then return current, 1 end
   if not tpl.allowed[current] then return current, 0 end
-  local job, new = h[3], tpl.new
+  local job, new = h[JOB], tpl.new
   local in_job = job and job ~= ''
-  if in_job and h[4] and FOLDED[new] then
+  if in_job and h[CLAIM] and FOLDED[new] then
     fold(key, h, m, ctx.jobs .. job, ctx.folds)  -- its hash goes: no point writing it
   else
     local fields = {unpack(tpl.fields)}
@@ -180,7 +185,7 @@ local function move(key, id, m, h, ctx, tally)
     if tpl.stampf ~= '' then fields[#fields + 1] = tpl.stampf; fields[#fields + 1] = ctx.ts end
     if tpl.attempt then
       fields[#fields + 1] = 'attempts'
-      fields[#fields + 1] = tostring((tonumber(h[6]) or 0) + 1)
+      fields[#fields + 1] = tostring((tonumber(h[ATTEMPTS]) or 0) + 1)
       fields[#fields + 1] = 'started'
       fields[#fields + 1] = m.token
     end
@@ -188,10 +193,12 @@ local function move(key, id, m, h, ctx, tally)
     fields[#fields + 1] = new
     redis.call('HSET', key, unpack(fields))
   end
-  if current == 'queued' and new ~= 'queued' and h[7] then
-    quota_add(h[7], -1, -(tonumber(h[8] or '0') or 0))  -- it counted in a quota of its own
+  if current == 'queued' and new ~= 'queued' and h[QUOTA] then
+    quota_add(h[QUOTA], -1, -(tonumber(h[EST] or '0') or 0))  -- it counted in a quota of its own
   end
-  if in_job and current ~= new then count_move(tally, job, current, new, h[7] and true or false) end
+  if in_job and current ~= new then
+    count_move(tally, job, current, new, h[QUOTA] and true or false)
+  end
   if in_job and FOLDED[new] and not FOLDED[current] then count_finished(tally, job, id) end
   return current, 1
 end
@@ -211,6 +218,14 @@ local function read_templates(at)
     at = at + 5 + 2 * k
   end
   return templates, at
+end
+
+-- How many of MOVE_FIELDS a call's moves read: all when one of them may end a task.
+local function fields_read(templates)
+  for _, tpl in ipairs(templates) do
+    if FOLDED[tpl.new] then return #MOVE_FIELDS end
+  end
+  return START_FIELDS
 end
 
 -- Reads one task's move from ARGV at `at`: its template (1-based), token, then a count of its
@@ -250,9 +265,9 @@ end
 local function fenced_move(key, id, m, ctx, tally)
   -- (a task twice in one call: its first move's fold is written before its second is read)
   if ctx.folds.deleting[key] then write_folds(ctx.folds) end
-  local h = redis.call('HMGET', key, unpack(MOVE_FIELDS))
-  if m.token ~= '' and h[2] ~= m.token then
-    if h[2] then return h[1] or '', 0, 0, h, h[2] end
+  local h = redis.call('HMGET', key, unpack(MOVE_FIELDS, 1, ctx.fields))
+  if m.token ~= '' and h[DELIVERIES] ~= m.token then
+    if h[DELIVERIES] then return h[STATE] or '', 0, 0, h, h[DELIVERIES] end
     if #ctx.folds.keys > 0 then write_folds(ctx.folds) end  -- its record may be among them
     local state, delivery = folded_record(id, ctx)
     if not state then return '', 0, 0, h, '' end
@@ -261,20 +276,21 @@ local function fenced_move(key, id, m, ctx, tally)
   end
   local previous, moved = move(key, id, m, h, ctx, tally)
   -- Someone waits for this task's end (an API process answering a call synchronously).
-  if moved == 1 and h[11] and FOLDED[m.tpl.new] then redis.call('PUBLISH', h[11], id) end
-  return previous, moved, 1, h, h[2] or ''
+  if moved == 1 and h[NOTIFY] and FOLDED[m.tpl.new] then redis.call('PUBLISH', h[NOTIFY], id) end
+  return previous, moved, 1, h, h[DELIVERIES] or ''
 end
 
 -- transition: producers and the worker's start. KEYS[1] events list, KEYS[2..] task hashes.
 -- ARGV: job key prefix, job-ref key prefix, ttl seconds, the move templates (read_templates),
--- then per task its id and its move (read_move). Returns {previous, moved, held, current} per task (fenced_move); a fenced-out
--- move is not applied. Called with a call id (a retried start counts one attempt; a retried
--- cancel answers what it did).
+-- then per task its id and its move (read_move). Returns {previous, moved, held, current} per
+-- task (fenced_move); a fenced-out move is not applied. Called with a call id (a retried
+-- start counts one attempt; a retried cancel answers what it did).
 function commands.transition()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
                events = KEYS[1], folds = new_folds()}
   local templates, at = read_templates(5)
+  ctx.fields = fields_read(templates)
   local replies, tally = {}, new_tally()
   for i = 2, #KEYS do
     local id = ARGV[at]
@@ -296,11 +312,13 @@ commands.start = commands.transition
 -- settle: terminal transitions and acknowledgements of held tasks, one step (allow-oom).
 -- KEYS[1..5] bookkeeping, KEYS[6] events list, KEYS[7..] task hashes. ARGV: job key prefix,
 -- job-ref key prefix, ttl seconds, usage key prefix, usage-tenants set, the usage groups
--- (read_usage_groups), then per task its id, a move, its usage group (0: none) and own values. Returns {previous, moved, held, current} per task: a
--- holder that was fenced out (held 0) changes nothing, and its result never becomes the
--- task's (nor counts in usage); a task that ended meanwhile is forgotten from the in-flight
--- set either way. Safe to repeat: a task its first run ended reads as this holder's (its
--- state terminal, or its fold record naming this delivery), moved no further, counted once.
+-- (read_usage_groups), the move templates (read_templates), then per task its id, its move
+-- (read_move), its usage group (0: none) and its own usage values. Returns {previous, moved,
+-- held, current} per task: a holder that was fenced out (held 0) changes nothing, and its
+-- result never becomes the task's (nor counts in usage); a task that ended meanwhile is
+-- forgotten from the in-flight set either way. Safe to repeat: a task its first run ended
+-- reads as this holder's (its state terminal, or its fold record naming this delivery),
+-- moved no further, counted once.
 function commands.settle()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
@@ -308,6 +326,7 @@ function commands.settle()
   local groups, at = read_usage_groups(7)
   local templates
   templates, at = read_templates(at)
+  ctx.fields = #MOVE_FIELDS
   local replies, tally, settled = {}, new_tally(), {}
   for i = 7, #KEYS do
     local id = ARGV[at]
@@ -317,7 +336,7 @@ function commands.settle()
     at = at + 2
     local previous, moved, held, h, current = fenced_move(KEYS[i], id, m, ctx, tally)
     if held == 1 or current == 'ended' then settled[#settled + 1] = id end
-    if group and held == 1 and moved == 1 then note_usage(group, h[3], h[9], own) end
+    if group and held == 1 and moved == 1 then note_usage(group, h[JOB], h[TENANT], own) end
     replies[i - 6] = {previous, moved, held, current}
   end
   forget_all(settled)

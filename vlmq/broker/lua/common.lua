@@ -116,6 +116,19 @@ local function field_index(names, name)
   return nil
 end
 
+-- `k` name/value pairs from ARGV at `at`, as one flat list, less those named `except` (if
+-- given).
+local function read_pairs(at, k, except)
+  local pairs_read = {}
+  for j = at, at + 2 * k - 1, 2 do
+    if ARGV[j] ~= except then
+      pairs_read[#pairs_read + 1] = ARGV[j]
+      pairs_read[#pairs_read + 1] = ARGV[j + 1]
+    end
+  end
+  return pairs_read
+end
+
 -- Reads the status fields' layout from ARGV at `at` (vlmq/broker/state/jobs.py
 -- status_layout): a count F, then the F names each task sends a value for, then a count S and
 -- S name/value pairs every task of the call has (its job, class, expiry: sent once). Returns
@@ -124,9 +137,8 @@ local function read_names(at)
   local names, nf = {}, tonumber(ARGV[at])
   for i = 1, nf do names[i] = ARGV[at + i] end
   at = at + nf + 1
-  local shared = {}
-  for i = at + 1, at + 2 * tonumber(ARGV[at]) do shared[#shared + 1] = ARGV[i] end
-  return names, shared, at + #shared + 1
+  local ns = tonumber(ARGV[at])
+  return names, read_pairs(at + 1, ns), at + 2 * ns + 1
 end
 
 local commands = {}

@@ -1,5 +1,6 @@
--- uses common.lua: call_many, is_fed_id, now, read_many, stamp; tenants.lua: count_groups,
---      new_sums, note_usage, queued_by, quota_add, read_usage_groups, write_sums;
+-- uses common.lua: call_many, is_fed_id, now, read_many, read_pairs, stamp;
+--      tenants.lua: count_groups, new_sums, note_usage, queued_by, quota_add,
+--      read_usage_groups, write_sums;
 --      intake.lua: forget_all;
 --      jobs.lua: finish_check, keep_job
 -- tasks: state moves, fenced by delivery; settle (terminal moves and acknowledgements) -----
@@ -154,16 +155,7 @@ end
 
 -- `k` field/value pairs from ARGV at `at` (a move never sets a task's job: only the producer
 -- that created the task and counted it in its job does; a message cannot join a job).
-local function read_fields(at, k)
-  local fields = {}
-  for j = at, at + 2 * k - 1, 2 do
-    if ARGV[j] ~= 'job_id' then
-      fields[#fields + 1] = ARGV[j]
-      fields[#fields + 1] = ARGV[j + 1]
-    end
-  end
-  return fields
-end
+local function read_fields(at, k) return read_pairs(at, k, 'job_id') end
 
 -- One task's move (`m`: read_move): its template's allowed from-states; the template's
 -- `stampf` (if not '') gets Redis's time (`ctx.ts`, formatted once per call); the job's

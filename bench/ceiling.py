@@ -49,6 +49,9 @@ from typing import Any
 import redis as redis_py
 
 from bench.common import machine, replace_section, wait_for
+from bench.redis_floor import CHUNK as FLOOR_CHUNK
+from bench.redis_floor import DESIGNS as FLOOR_DESIGNS
+from bench.redis_floor import Floor, new_tasks
 from vlmq.config.keys import Keys
 from vlmq.producers.localredis import LocalRedis
 
@@ -71,6 +74,31 @@ r.brpop([sys.argv[2]], timeout=0)
 n, last = 0, time.time()
 while r.brpop([sys.argv[4]], timeout=0.5) is not None:
     n, last = n + 1, time.time()
+print(n, last)
+"""
+
+# A consumer of a floor design (bench/redis_floor.py, ``--floor``): says it is ready, waits
+# for the go, then pulls, starts and settles batches until the job's every task succeeded;
+# prints how many it settled and when the last one was.
+_FLOOR_CONSUMER = r"""
+import sys, time, redis
+from bench.redis_floor import JOB, Floor
+url, design, batch, tasks, ready, go = sys.argv[1:7]
+r = redis.Redis.from_url(url, decode_responses=True)
+floor = Floor(r, design)
+r.lpush(ready, "1")
+r.brpop([go], timeout=0)
+n, last, batches = 0, time.time(), 0
+while True:
+    held = floor.pull(int(batch))
+    if not held:
+        if int(r.hget(f"floor:job:{JOB}", "succeeded") or 0) >= int(tasks):
+            break
+        time.sleep(0.005)
+        continue
+    batches += 1
+    floor.start(held, f"{r.client_id()}.{batches}")
+    n, last = n + sum(floor.settle(held)), time.time()
 print(n, last)
 """
 
@@ -106,6 +134,7 @@ class Plan:
     against: Path | None
     against_label: str
     commands: int = 0  # the costliest commands to list per run (0: none)
+    floor: bool = False  # also run bench.redis_floor's designs
 
 
 @dataclass(frozen=True)
@@ -230,6 +259,44 @@ def _push_raw(redis: redis_py.Redis, tasks: int) -> None:
         pipe.execute()
 
 
+# --- the floor designs (bench/redis_floor.py) --------------------------------------
+
+
+def measure_floor(
+    url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: int, design: str
+) -> Sample:
+    redis.flushall()
+    ready, go = "floor:ready", "floor:go"
+    argv = [sys.executable, "-c", _FLOOR_CONSUMER, url, design, str(plan.batch)]
+    argv += [str(plan.tasks), ready, go]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE) for _ in range(n)]
+    try:
+        wait_for(lambda: int(redis.llen(ready)) == n, 60, "the floor consumers")
+        floor = Floor(redis, design)
+        cpu0, whole0 = meter.main(), meter.process()
+        work = new_tasks(plan.tasks)
+        for at in range(0, plan.tasks, FLOOR_CHUNK):
+            floor.enqueue(work[at : at + FLOOR_CHUNK])
+        cpu1 = meter.main()
+        go_at = time.time()
+        redis.config_resetstat()
+        redis.lpush(go, *["go"] * n)
+        outputs = [proc.communicate(timeout=600)[0].decode().split() for proc in procs]
+        cpu2, whole2 = meter.main(), meter.process()
+        commands = _commands(redis)
+    finally:
+        _stop(procs)
+    settled = sum(int(out[0]) for out in outputs)
+    if settled != plan.tasks:
+        raise RuntimeError(f"{design}: {settled} of {plan.tasks} tasks settled")
+    last = max(float(out[1]) for out in outputs)
+    label = FLOOR_DESIGNS[design]
+    return Sample(
+        label, n, plan.tasks, last - go_at, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0, 0.0, commands
+    )
+
+
 # --- vlmq workers ---------------------------------------------------------------
 
 
@@ -342,6 +409,8 @@ def run(plan: Plan) -> Report:
                 samples = [measure_raw(local.url, redis, meter, plan, n)]
                 for label, tree in order:
                     samples.append(measure_vlmq(local.url, redis, meter, plan, n, tree, label))
+                for design in FLOOR_DESIGNS if plan.floor else ():
+                    samples.append(measure_floor(local.url, redis, meter, plan, n, design))
             for sample in samples:
                 report.samples.append(sample)
                 _progress(repeat, sample)
@@ -387,7 +456,7 @@ def _row(report: Report, consumer: str, n: int) -> str:
         _spread([s.process_s / s.tasks * 1e6 for s in got], ".1f"),
         _spread([100 * s.busy for s in got]) + " %",
         _spread([1e6 / s.us_per_task for s in got]),
-        "" if consumer == "raw" else _spread([s.idle_us for s in got]),
+        _spread([s.idle_us for s in got]) if any(s.idle_us for s in got) else "",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -395,6 +464,7 @@ def _row(report: Report, consumer: str, n: int) -> str:
 def render(report: Report, command: str) -> str:
     plan = report.plan
     consumers = ["raw", "vlmq"] + ([plan.against_label] if plan.against else [])
+    consumers += list(FLOOR_DESIGNS.values()) if plan.floor else []
     how = "a bulk job fed from its staged input" if plan.enqueue == "fed" else "`submit_many`"
     lines = [
         f"Command: `{command}`",
@@ -459,6 +529,9 @@ def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
     parser.add_argument(
         "--commands", type=int, default=0, help="List the N costliest commands of each drain."
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="Also run bench.redis_floor's designs."
+    )
     args = parser.parse_args(argv)
     against = Path(args.against).resolve() if args.against else None
     label = args.label or (f"vlmq at {against.name}" if against else "")
@@ -473,6 +546,7 @@ def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
         against,
         label,
         args.commands,
+        args.floor,
     )
     return plan, args.write
 

@@ -148,6 +148,13 @@ local function fed_and_ended(id, refs, jobs)
   return job ~= false and redis.call('HEXISTS', jobs .. job .. ':custom_ids', claim) == 1
 end
 
+-- Appends a pull's row to its flat reply (commands.pull).
+local function add_row(out, id, raw, n, list, status)
+  local at = #out
+  out[at + 1], out[at + 2], out[at + 3], out[at + 4], out[at + 5] = id, raw, n, list, #status
+  for i = 1, #status do out[at + 5 + i] = status[i] end
+end
+
 -- pull: move up to N messages of one class into this worker's leases.
 -- KEYS[1..5] bookkeeping, KEYS[6] the class's active-tenants zset, KEYS[7..] its fixed lists:
 -- the lists drained first (a GPU worker's: the interactive lane's prepared list, the
@@ -167,14 +174,16 @@ end
 -- A copy of a task that ended (terminal, or folded), or that a live holder has, is dropped
 -- (one run per task while its holder lives; a finished task never runs again); a holder
 -- whose lease ran out is fenced out by the new delivery's token. A prepared list's message
--- always had a hash when it was handed on (hand_on): one without ended meanwhile. Returns
--- {now, dropped, rows}; a row is {id, raw, token, status fields (row_status), origin list}.
+-- always had a hash when it was handed on (hand_on): one without ended meanwhile. Returns one
+-- flat list (tasks.lua, reply_row: a table per row costs Redis look-ups of its own to send):
+-- now, dropped, the row count, then per row id, raw, token, origin list, the count k of its
+-- status fields (row_status) and the k fields.
 function commands.pull()
   local t = now()
   local limit, deadline = tonumber(ARGV[2]), stamp(t + tonumber(ARGV[3]))
   local prefix, terminal, ttl = ARGV[4], csv_set(ARGV[6]), ARGV[7]
   local refs, jobs, stage, prepared_suffix = ARGV[8], ARGV[9], ARGV[10], ARGV[11]
-  local out, dropped, taken = {}, 0, {}
+  local out, rows, dropped, taken = {stamp(t), 0, 0}, 0, 0, {}
   local inflight, leases, origins, actives = {}, {}, {}, {}
   local anchored  -- the bookkeeping is widened once a pull has messages (common.lua, widen)
   -- Pops up to n messages of one list into this holder's rows; returns how many it popped.
@@ -220,14 +229,15 @@ function commands.pull()
           redis.call('EXPIRE', key, ttl, 'NX')
         end
         if stage ~= '' then redis.call('HSET', key, 'stage', stage) end
-        out[#out + 1] = {id, raw, n, row_status(key, status, n), list}
+        add_row(out, id, raw, n, list, row_status(key, status, n))
+        rows = rows + 1
       end
     end
     return #raws
   end
   local first = 7 + tonumber(ARGV[5])
   for i = 7, first - 1 do
-    while #out < limit and take(KEYS[i], false, limit - #out) > 0 do end
+    while rows < limit and take(KEYS[i], false, limit - rows) > 0 do end
   end
   local plain_lists = {}
   for i = first, #KEYS do plain_lists[#plain_lists + 1] = KEYS[i] end
@@ -256,9 +266,9 @@ function commands.pull()
   end
   local tenants = KEYS[6]
   local progress = true
-  while #out < limit and progress do
+  while rows < limit and progress do
     progress = false
-    local want = limit - #out
+    local want = limit - rows
     local members = redis.call('ZRANGE', tenants, 0, want - 1)
     -- An equal share per tenant this round (the plain bulk queue, messages of any Celery
     -- producer, is one more while it has any): one each when there are more tenants than room.
@@ -272,8 +282,8 @@ function commands.pull()
     -- half of it (then a quarter, ...: a pull of one tenant's job took six rounds).
     if plain == 0 and #members > 0 then share = math.ceil(want / #members) end
     for _, active in ipairs(members) do
-      if #out >= limit then break end
-      if take_tenant(active, math.min(share, limit - #out)) > 0 then
+      if rows >= limit then break end
+      if take_tenant(active, math.min(share, limit - rows)) > 0 then
         progress = true
         served(tenants, active)
       elseif redis.call('EXISTS', active) == 0 then
@@ -281,14 +291,15 @@ function commands.pull()
       end
     end
   end
-  if #out > 0 then
+  if rows > 0 then
     call_many('HSET', KEYS[1], inflight, 2)
     call_many('ZADD', KEYS[2], leases, 2)
     call_many('HSET', KEYS[3], origins, 2)
     if #actives > 0 then call_many('HSET', KEYS[4], actives, 2) end
   end
   if anchored then unanchor(anchored) end
-  return {stamp(t), dropped, out}
+  out[2], out[3] = dropped, rows
+  return out
 end
 
 -- A pull is kept for a retry as its ids and tokens, not its messages (those are in the
@@ -297,28 +308,31 @@ end
 -- kept (an idle worker polls its queues many times a second).
 replays.pull = {
   keep = function(reply)
-    if #reply[3] == 0 and reply[2] == 0 then return nil end
-    local kept = {reply[1], reply[2]}
-    for _, row in ipairs(reply[3]) do
-      kept[#kept + 1] = row[1]
-      kept[#kept + 1] = row[3]
+    if reply[3] == 0 and reply[2] == 0 then return nil end
+    local kept, at = {reply[1], reply[2]}, 4
+    for _ = 1, reply[3] do
+      kept[#kept + 1] = reply[at]
+      kept[#kept + 1] = reply[at + 2]
+      at = at + 5 + reply[at + 4]
     end
     return table.concat(kept, ' ')
   end,
   answer = function(kept)
     local words = {}
     for word in string.gmatch(kept, '%S+') do words[#words + 1] = word end
-    local rows = {}
+    local out, rows = {words[1], tonumber(words[2]), 0}, 0
     for i = 3, #words, 2 do
       local id = words[i]
       local raw = redis.call('HGET', KEYS[1], id)
       if raw then
         local n = tonumber(words[i + 1])
         local status = row_status(ARGV[4] .. id, status_of(ARGV[4], id), n)
-        rows[#rows + 1] = {id, raw, n, status, redis.call('HGET', KEYS[3], id)}
+        add_row(out, id, raw, n, redis.call('HGET', KEYS[3], id), status)
+        rows = rows + 1
       end
     end
-    return {words[1], tonumber(words[2]), rows}
+    out[3] = rows
+    return out
   end,
 }
 

@@ -85,6 +85,18 @@ def _status(values: Sequence[str | None]) -> dict[str, str]:
     return status
 
 
+def _deliveries(reply: Sequence[Any]) -> list[Delivery]:
+    """A pull's rows from its flat reply (intake.lua, pull): after now, dropped and the row
+    count, per row its id, message, token, origin list, a count k and k status fields."""
+    deliveries, at = [], 3
+    for _ in range(int(reply[2])):
+        task_id, raw, token, origin, k = reply[at : at + 5]
+        status = _status(reply[at + 5 : at + 5 + int(k)])
+        deliveries.append(Delivery(str(task_id), str(raw), int(token), status, str(origin or "")))
+        at += 5 + int(k)
+    return deliveries
+
+
 def _pairs(held: Mapping[str, int]) -> list[Any]:
     return [x for task_id, token in held.items() for x in (task_id, token)]
 
@@ -174,12 +186,10 @@ class Intake:
         args = [limit, lease_s, self.keys.task_prefix, len(self.first), _TERMINAL_CSV]
         args += [self.ttl_s, self.keys.job_ref_prefix, self.keys.job_prefix]
         args += ["preparing" if self.role == "prepare" else "", Keys.PREPARED_SUFFIX]
-        now, dropped, rows = self.scripts("pull", keys, args)
-        deliveries = [
-            Delivery(str(r[0]), str(r[1]), int(r[2]), _status(r[3]), str(r[4] or "")) for r in rows
-        ]
+        reply = self.scripts("pull", keys, args)
+        deliveries = _deliveries(reply)
         self._with_tenants(deliveries)
-        return Pull(deliveries, float(now), int(dropped))
+        return Pull(deliveries, float(reply[0]), int(reply[1]))
 
     def _with_tenants(self, deliveries: Sequence[Delivery]) -> None:
         """Every delivery's status names its tenant: its own, else its job's as the job's

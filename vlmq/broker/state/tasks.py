@@ -368,9 +368,12 @@ def _ids(moves: Sequence[Move]) -> list[str]:
 
 
 def _moved(moves: Sequence[Move], reply: Sequence[Any]) -> list[Moved]:
+    """Each move's outcome from the script's flat reply: previous state, moved, held and
+    current delivery, four values a move (tasks.lua, reply_row)."""
+    rows = [reply[at : at + 4] for at in range(0, len(reply), 4)]
     return [
         Moved(m.task_id, str(r[0]), bool(int(r[1])), bool(int(r[2])), str(r[3] or ""), m.token or 0)
-        for m, r in zip(moves, reply, strict=True)
+        for m, r in zip(moves, rows, strict=True)
     ]
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import redis as redis_py
 
-from bench.common import machine, replace_section, wait_for
+from bench.common import machine, replace_section, spread, wait_for
 from bench.redis_floor import CHUNK as FLOOR_CHUNK
 from bench.redis_floor import DESIGNS as FLOOR_DESIGNS
 from bench.redis_floor import Floor, new_tasks
@@ -430,13 +430,6 @@ def _progress(repeat: int, s: Sample) -> None:
 # --- the report ------------------------------------------------------------------------
 
 
-def _spread(values: Sequence[float], fmt: str = ",.0f") -> str:
-    median = format(statistics.median(values), fmt)
-    if len(values) == 1:
-        return median
-    return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def _ratios(top: Sequence[Sample], bottom: Sequence[Sample]) -> list[float]:
     """Per round: the two samples of one round taken together."""
     return [a.us_per_task / b.us_per_task for a, b in zip(top, bottom, strict=True)]
@@ -445,18 +438,18 @@ def _ratios(top: Sequence[Sample], bottom: Sequence[Sample]) -> list[float]:
 def _row(report: Report, consumer: str, n: int) -> str:
     got = report.of(consumer, n)
     raw = report.of("raw", n)
-    ratio = "1" if consumer == "raw" else _spread(_ratios(got, raw), ".2f") + "x"
+    ratio = "1" if consumer == "raw" else spread(_ratios(got, raw), ".2f") + "x"
     cells = [
         consumer,
         str(n),
-        _spread([s.tasks_per_s for s in got]),
-        _spread([s.us_per_task for s in got], ".1f"),
+        spread([s.tasks_per_s for s in got], ",.0f"),
+        spread([s.us_per_task for s in got], ".1f"),
         ratio,
-        _spread([s.enqueue_s / s.tasks * 1e6 for s in got], ".1f"),
-        _spread([s.process_s / s.tasks * 1e6 for s in got], ".1f"),
-        _spread([100 * s.busy for s in got]) + " %",
-        _spread([1e6 / s.us_per_task for s in got]),
-        _spread([s.idle_us for s in got]) if any(s.idle_us for s in got) else "",
+        spread([s.enqueue_s / s.tasks * 1e6 for s in got], ".1f"),
+        spread([s.process_s / s.tasks * 1e6 for s in got], ".1f"),
+        spread([100 * s.busy for s in got], ",.0f") + " %",
+        spread([1e6 / s.us_per_task for s in got], ",.0f"),
+        spread([s.idle_us for s in got], ",.0f") if any(s.idle_us for s in got) else "",
     ]
     return "| " + " | ".join(cells) + " |"
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 from vlmq.producers.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,11 +81,6 @@ def _commit_of(tree: Path) -> str:
     return done.stdout.strip() or str(tree)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = statistics.median(values)
-    return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def render(runs: dict[str, list[dict[str, float]]], args: Any) -> str:
     names = list(runs)
     out = [
@@ -97,10 +91,10 @@ def render(runs: dict[str, list[dict[str, float]]], args: Any) -> str:
         "| | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
         "| `Client.submit_many` (tasks/s) | "
-        + " | ".join(_spread([r["submit_per_s"] for r in runs[n]], ",.0f") for n in names)
+        + " | ".join(spread([r["submit_per_s"] for r in runs[n]], ",.0f") for n in names)
         + " |",
         f"| `client.statuses` of {args.ids:,} ids (ms, best of 5) | "
-        + " | ".join(_spread([r["statuses_ms"] for r in runs[n]], ",.0f") for n in names)
+        + " | ".join(spread([r["statuses_ms"] for r in runs[n]], ",.0f") for n in names)
         + " |",
     ]
     return "\n".join(out)

@@ -5,14 +5,22 @@ from __future__ import annotations
 import os
 import platform
 import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from vlmq.config.schemas import Request
 
-__all__ = ["machine", "replace_section", "require_success", "run_in_batches", "workload"]
+__all__ = [
+    "machine",
+    "replace_section",
+    "require_success",
+    "run_in_batches",
+    "spread",
+    "workload",
+]
 
 WORDS = [
     "queue",
@@ -133,3 +141,11 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str, poll_s: flo
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(poll_s)
+
+
+def spread(values: Sequence[float], fmt: str) -> str:
+    """A figure of repeated runs as the tables give it: median (min-max), or the one value."""
+    median = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return median
+    return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"

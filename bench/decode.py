@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, replace_section, require_success
+from bench.common import machine, replace_section, require_success, spread
 from vlmq.config.schemas import Request
 from vlmq.config.settings import DecodeSettings, EngineSettings, MediaSettings
 
@@ -193,12 +192,6 @@ def compile_starts(folder: Path, workdir: Path) -> dict[str, Any]:
     return found
 
 
-def _spread(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def render(
     args: argparse.Namespace,
     hosts: list[dict[str, StepCost]],
@@ -224,7 +217,8 @@ def render(
         walls = [h[name].wall_ms for h in hosts]
         cpus = [h[name].cpu_ms for h in hosts]
         ratios = [h[name].wall_ms / h["plain"].wall_ms for h in hosts]
-        lines.append(f"| {label} | {_spread(walls)} | {_spread(cpus)} | {_spread(ratios)} |")
+        cells = [spread(values, ".2f") for values in (walls, cpus, ratios)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
         f"Decode waste, {args.requests} requests whose max_new_tokens vary 4x "
@@ -237,7 +231,7 @@ def render(
     ]
     keys = ("steps", "prefills", "decode", "with prefills", "computed", "tok_s")
     for name in ("static", "in flight"):
-        cells = [_spread([w[name][key] for w in wastes]) for key in keys]
+        cells = [spread([w[name][key] for w in wastes], ".2f") for key in keys]
         lines.append(f"| {name} | {' | '.join(cells)} |")
     if starts:
         cold = [s["cold"]["ready_s"] for s in starts]
@@ -251,8 +245,8 @@ def render(
             "",
             "| start | seconds to first results |",
             "| --- | ---: |",
-            f"| first (compiles the decode step) | {_spread(cold)} |",
-            f"| restarted (compiled step read from disk) | {_spread(warm)} |",
+            f"| first (compiles the decode step) | {spread(cold, '.2f')} |",
+            f"| restarted (compiled step read from disk) | {spread(warm, '.2f')} |",
             "",
             f"Compiled tokens equal to the eager loop's: {'yes' if same else 'NO'}.",
         ]

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import replace_section
+from bench.common import replace_section, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 # The commit before the fencing change (issue 10's parent): the "before" of this figure.
@@ -171,10 +171,6 @@ def _wait_finished(tree: Path, env: dict[str, str], results: str, job: str) -> N
     raise TimeoutError("the drain did not finish")
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
-
-
 def render(report: Report, command: str) -> str:
     before, after = report.of("before"), report.of("after")
     rows = []
@@ -185,7 +181,7 @@ def render(report: Report, command: str) -> str:
         b = [getattr(r, pick) for r in before]
         a = [getattr(r, pick) for r in after]
         ratio = statistics.median(a) / statistics.median(b)
-        rows.append(f"| {label} | {_spread(b)} | {_spread(a)} | {ratio:.2f}x |")
+        rows.append(f"| {label} | {spread(b, ',.0f')} | {spread(a, ',.0f')} | {ratio:.2f}x |")
     return "\n".join(
         [
             f"Command: `{command}`",

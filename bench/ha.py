@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 from bench.jobs import _start_workers, _stop
 from tests.support.sentinel import SentinelCluster
 from vlmq.config.settings import Settings
@@ -81,10 +81,6 @@ def measure(variant: str, workdir: Path, tasks: int, workers: int) -> Run:
     return Run(variant, tasks / (last - first), short)
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
-
-
 def render(runs: list[Run], tasks: int, workers: int, repeats: int) -> str:
     off = [r.drain_per_s for r in runs if r.variant == "off"]
     on = [r.drain_per_s for r in runs if r.variant == "on"]
@@ -103,7 +99,7 @@ def render(runs: list[Run], tasks: int, workers: int, repeats: int) -> str:
             "",
             "| figure | WAIT off | WAIT 1 replica | on / off |",
             "| --- | ---: | ---: | ---: |",
-            f"| drain, tasks/s | {_spread(off)} | {_spread(on)} | {ratio:.2f}x |",
+            f"| drain, tasks/s | {spread(off, ',.0f')} | {spread(on, ',.0f')} | {ratio:.2f}x |",
             f"| settles whose WAIT timed out (1000 ms) | - | {short} | |",
         ]
     )

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import redis as redis_py
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
@@ -283,13 +282,6 @@ def measure_vlmq(
         return figures
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = statistics.median(values)
-    if len(values) == 1:
-        return format(median, fmt)
-    return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def render(run: Run, lines: int, workers: int, processes: int, against: str | None) -> str:
     rows = [
         ("peak Redis while queued (MB)", "peak_queued_bytes", 1e-6, ",.0f"),
@@ -318,7 +310,7 @@ def render(run: Run, lines: int, workers: int, processes: int, against: str | No
         "|---|" + "---:|" * len(columns),
     ]
     for label, name, scale, fmt in rows:
-        cells = [_spread([getattr(f, name) * scale for f in figs], fmt) for _, figs in columns]
+        cells = [spread([getattr(f, name) * scale for f in figs], fmt) for _, figs in columns]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     cpu = [f.cpu_us_per_task for f in run.vlmq]
     raw = [f.cpu_us_per_task for f in run.raw]
@@ -345,7 +337,7 @@ def _commit_of(tree: Path) -> str:
 def _ratio(values: list[float], baseline: list[float]) -> str:
     """The median ratio of paired runs, with its spread."""
     ratios = [v / b for v, b in zip(values, baseline, strict=True) if b]
-    return _spread(ratios, ".2f") + "x"
+    return spread(ratios, ".2f") + "x"
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from typing import Any
 import httpx
 import redis
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 from tests.support.services import vlmq_serve
 from vlmq.producers.localredis import LocalRedis
 
@@ -147,11 +146,6 @@ def _export(commit: str, into: Path) -> Path:
     return tree
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = statistics.median(values)
-    return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def render(runs: dict[str, dict[str, list[dict[str, Any]]]], args: Any) -> str:
     out = [
         f"Command: `python -m bench.large_bodies --against {args.against} --repeats "
@@ -166,9 +160,9 @@ def render(runs: dict[str, dict[str, list[dict[str, Any]]]], args: Any) -> str:
             rows = by_body[body]
             answers = sorted({r["answer"] for r in rows})
             out.append(
-                f"| {body} | {label} | {_spread([r['grew_mib'] for r in rows], ',.0f')} | "
-                f"{_spread([r['healthz_s'] for r in rows], '.2f')} | {', '.join(answers)} | "
-                f"{_spread([r['queued_mb'] for r in rows], '.1f')} |"
+                f"| {body} | {label} | {spread([r['grew_mib'] for r in rows], ',.0f')} | "
+                f"{spread([r['healthz_s'] for r in rows], '.2f')} | {', '.join(answers)} | "
+                f"{spread([r['queued_mb'] for r in rows], '.1f')} |"
             )
     return "\n".join(out)
 

@@ -23,7 +23,6 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 from bench.jobs import JOB, _server, _stop, _submit
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
@@ -142,13 +141,6 @@ def _wait_done(client: Client, done: int, procs: list[subprocess.Popen[bytes]], 
         time.sleep(0.01)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = statistics.median(values)
-    if len(values) == 1:
-        return format(median, fmt)
-    return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
     command = (
         f"`python -m bench.partial_results --lines {args.lines} --reads {args.reads} "
@@ -174,12 +166,12 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
             "",
             f"- Reading the finished job's records (second of two alternated passes), in "
             f"completion order (`iter_finished`, what `vlmq results` writes): "
-            f"{_spread([o.completion_read_per_s for o in outcomes], ',.0f')} lines/s; the "
+            f"{spread([o.completion_read_per_s for o in outcomes], ',.0f')} lines/s; the "
             f"submission-order export (`iter_results`) of the same job in the same run: "
-            f"{_spread([o.submission_read_per_s for o in outcomes], ',.0f')} lines/s "
-            f"(ratio {_spread(ratios, '.2f')}).",
+            f"{spread([o.submission_read_per_s for o in outcomes], ',.0f')} lines/s "
+            f"(ratio {spread(ratios, '.2f')}).",
             f"- The completion list costs Redis "
-            f"{_spread([o.list_bytes_per_task for o in outcomes], '.1f')} bytes per task "
+            f"{spread([o.list_bytes_per_task for o in outcomes], '.1f')} bytes per task "
             f"(`MEMORY USAGE` of the job's `:finished` list), expiring with the job.",
         ]
     )

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 import urllib.request
@@ -51,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, replace_section, wait_for
+from bench.common import machine, replace_section, spread, wait_for
 from bench.fleet import _model_dir, _stop
 from bench.pipeline import (
     NEW_TOKENS,
@@ -317,13 +316,6 @@ def _hundred() -> list[Path]:
     return clips(100, seconds=2, start=5000)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    mid = statistics.median(values)
-    if len(values) == 1:
-        return format(mid, fmt)
-    return f"{format(mid, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def _summary(report: Report, workload: str) -> str:
     parts = []
     for (name, variant), runs in report.runs.items():
@@ -348,12 +340,12 @@ def render(report: Report, command: str) -> str:
         cells = [
             name,
             variant,
-            _spread([r.busy for r in runs], ".2f"),
-            _spread([r.gpu_cpu_per_item * 1000 for r in runs], ".1f") + " ms",
-            _spread([p * 1000 for p in prepare], ".0f") + " ms" if any(prepare) else "-",
-            _spread([1 / p for p in prepare if p], ".1f") if any(prepare) else "-",
-            _spread([r.cores_per_accelerator for r in runs], ".1f") if any(prepare) else "-",
-            _spread([float(r.decodes) for r in runs], ".0f"),
+            spread([r.busy for r in runs], ".2f"),
+            spread([r.gpu_cpu_per_item * 1000 for r in runs], ".1f") + " ms",
+            spread([p * 1000 for p in prepare], ".0f") + " ms" if any(prepare) else "-",
+            spread([1 / p for p in prepare if p], ".1f") if any(prepare) else "-",
+            spread([r.cores_per_accelerator for r in runs], ".1f") if any(prepare) else "-",
+            spread([float(r.decodes) for r in runs], ".0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import redis as redis_py
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 from bench.redis_phases import run_probe
 from vlmq.producers.localredis import LocalRedis
 
@@ -229,13 +229,6 @@ def run_vlmq(tasks: int, batch: int, counting: bool) -> dict[str, float]:
     return run_probe(ROOT, tasks, batch, "fed", counting)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = format(statistics.median(values), fmt)
-    if len(values) == 1:
-        return median
-    return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def _with_totals(run: dict[str, float]) -> dict[str, float]:
     total = sum(run[p] for p in PHASES)
     if "raw BRPOP" not in run:
@@ -267,10 +260,10 @@ def render(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace, co
     if not args.instructions:
         labels["raw"] = "raw LPUSH + BRPOP, same server"
     for row, label in labels.items():
-        cells = [_spread([t[row] * scale for t in totals[n]], fmt) for n in names]
+        cells = [spread([t[row] * scale for t in totals[n]], fmt) for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if not args.instructions:
-        cells = [_spread([t["over raw"] for t in totals[n]], ".2f") + "x" for n in names]
+        cells = [spread([t["over raw"] for t in totals[n]], ".2f") + "x" for n in names]
         lines.append("| over raw | " + " | ".join(cells) + " |")
     vlmq = statistics.median(t["total"] for t in totals[VLMQ])
     cells = [f"{vlmq / statistics.median(t['total'] for t in totals[n]):.2f}x" for n in names]

@@ -29,7 +29,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import machine, replace_section
+from bench.common import machine, replace_section, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "redis-phases"
@@ -148,13 +148,6 @@ def run_probe(tree: Path, tasks: int, batch: int, enqueue: str, counting: bool) 
     return figures
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = format(statistics.median(values), fmt)
-    if len(values) == 1:
-        return median
-    return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def _totals(run: dict[str, float]) -> dict[str, float]:
     vlmq = sum(run[p] for p in VLMQ_PHASES)
     raw = run["raw LPUSH"] + run["raw BRPOP"]
@@ -181,7 +174,7 @@ def render(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace, co
     ]
     for row in rows:
         values = {n: [_totals(r)[row] * scale for r in runs[n]] for n in names}
-        cells = [_spread(values[n], fmt) for n in names]
+        cells = [spread(values[n], fmt) for n in names]
         if len(names) > 1:
             ratio = statistics.median(values[names[0]]) / statistics.median(values[names[1]])
             cells.append(f"{ratio:.2f}x")
@@ -194,7 +187,7 @@ def render(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace, co
                 for r in runs[name]
             ]
             lines.append("")
-            lines.append(f"{name}: vlmq over raw, per task: {_spread(ratios, '.2f')}x.")
+            lines.append(f"{name}: vlmq over raw, per task: {spread(ratios, '.2f')}x.")
     return "\n".join(lines)
 
 

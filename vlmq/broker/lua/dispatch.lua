@@ -1,11 +1,11 @@
 -- uses nothing from the other files
 -- dispatch: run the command ARGV[1] names. The last two ARGV belong to the dispatch and are
 -- taken off (from the end: no shifting) before the command reads ARGV: the call's replay key
--- (Keys.call: '' for a command that is safe to repeat) and how long it is kept. A command that is not safe to repeat is
--- called with a call id the caller chose, the same for every retry of that call (redis-py
--- resends a command whose reply a reset lost; a caller's own retry reuses it too): the first
--- run keeps its reply under the key, in the same atomic step as its effect, and a retry
--- answers that reply and changes nothing.
+-- (Keys.call: '' for a command that is safe to repeat) and how long it is kept. A command
+-- that is not safe to repeat is called with a call id the caller chose, the same for every
+-- retry of that call (redis-py resends a command whose reply a reset lost; a caller's own
+-- retry reuses it too): the first run keeps its reply under the key, in the same atomic step
+-- as its effect, and a retry answers that reply and changes nothing.
 
 local function keep(name, reply)
   local replay = replays[name]

@@ -114,7 +114,9 @@ local function parsed(raw)
   return id, tag_of(tag, raw)
 end
 
-local function status_of(prefix, id) return redis.call('HMGET', prefix .. id, unpack(STATUS_FIELDS)) end
+local function status_of(prefix, id)
+  return redis.call('HMGET', prefix .. id, unpack(STATUS_FIELDS))
+end
 
 -- Returns the task id of `raw`, its status (STATUS_FIELDS) and the message's tag.
 local function identify(raw, prefix)

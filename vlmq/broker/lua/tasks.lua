@@ -314,11 +314,11 @@ commands.start = commands.transition
 -- job-ref key prefix, ttl seconds, usage key prefix, usage-tenants set, the usage groups
 -- (read_usage_groups), the move templates (read_templates), then per task its id, its move
 -- (read_move), its usage group (0: none) and its own usage values. Returns previous, moved,
--- held, current per task (one flat list, as transition's): a holder that was fenced out (held 0) changes nothing, and its
--- result never becomes the task's (nor counts in usage); a task that ended meanwhile is
--- forgotten from the in-flight set either way. Safe to repeat: a task its first run ended
--- reads as this holder's (its state terminal, or its fold record naming this delivery),
--- moved no further, counted once.
+-- held, current per task (one flat list, as transition's): a holder that was fenced out
+-- (held 0) changes nothing, and its result never becomes the task's (nor counts in usage); a
+-- task that ended meanwhile is forgotten from the in-flight set either way. Safe to repeat: a
+-- task its first run ended reads as this holder's (its state terminal, or its fold record
+-- naming this delivery), moved no further, counted once.
 function commands.settle()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),

@@ -62,14 +62,17 @@ def clock_skew(
         "VLMQ_FLEET__REAP_INTERVAL_S": "0.5",
         "VLMQ_BATCH": batch_policy(4),
     }
-    job, ids = h.submit_text(tasks)
     h.noop_worker("ahead", delay_s, **env, **h.skewed(skew_s))
     h.noop_worker("behind", delay_s, **env, **h.skewed(-skew_s))
-    h.wait_registered("ahead")
-    h.wait_registered("behind")
     # The one that dies runs serially, so what it holds is exactly what runs on it (a
     # pipelined one also holds prefetched work: the pipeline scenarios kill those).
     on_time = h.noop_worker("on-time", 5 * delay_s, **env, VLMQ_WORKER__PIPELINE="false")
+    for name in ("ahead", "behind", "on-time"):
+        h.wait_registered(name)
+    # The work comes once all three serve. Submitted before the on-time one started, it was
+    # all taken by the skewed two on a loaded machine before the on-time one's slow start
+    # ended, and the wait below ran out (the faults tier, 2 of 2 cores busy).
+    job, ids = h.submit_text(tasks)
     wait_until(
         lambda: _done_by(h, ids, "on-time") >= 8 and h.running_on(ids, "on-time"),
         timeout=120,

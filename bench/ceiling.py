@@ -48,8 +48,7 @@ from typing import Any
 
 import redis as redis_py
 
-from bench.common import machine, replace_section, spread, wait_for
-from bench.redis_floor import CHUNK as FLOOR_CHUNK
+from bench.common import machine, main_thread_cpu, push_raw, replace_section, spread, wait_for
 from bench.redis_floor import DESIGNS as FLOOR_DESIGNS
 from bench.redis_floor import Floor, new_tasks
 from vlmq.config.keys import Keys
@@ -61,7 +60,6 @@ JOB = "ceiling"
 RAW_KEY = "raw"
 RAW_GO = "raw:go"
 RAW_READY = "raw:ready"
-RAW_MESSAGE_BYTES = 1000
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 # A raw consumer: says it is ready, waits for the go, then pops one message per call until the
@@ -187,8 +185,7 @@ class Meter:
         self.redis = redis
 
     def main(self) -> float:
-        info = self.redis.info("cpu")
-        return float(info["used_cpu_sys_main_thread"]) + float(info["used_cpu_user_main_thread"])
+        return main_thread_cpu(self.redis)
 
     def process(self) -> float:
         fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -236,7 +233,7 @@ def measure_raw(url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: in
     try:
         wait_for(lambda: int(redis.llen(RAW_READY)) == n, 60, "the raw consumers")
         cpu0, whole0 = meter.main(), meter.process()
-        _push_raw(redis, plan.tasks)
+        push_raw(redis, RAW_KEY, plan.tasks)
         cpu1 = meter.main()
         go = time.time()
         redis.lpush(RAW_GO, *["go"] * n)
@@ -249,14 +246,6 @@ def measure_raw(url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: in
     last = max(float(out[1]) for out in outputs)
     cpu2, whole2 = meter.main(), meter.process()
     return Sample("raw", n, plan.tasks, last - go, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0)
-
-
-def _push_raw(redis: redis_py.Redis, tasks: int) -> None:
-    body = "x" * RAW_MESSAGE_BYTES
-    pipe = redis.pipeline(transaction=False)
-    for start in range(0, tasks, 2000):
-        pipe.lpush(RAW_KEY, *[f"{i}:{body}" for i in range(start, min(tasks, start + 2000))])
-        pipe.execute()
 
 
 # --- the floor designs (bench/redis_floor.py) --------------------------------------
@@ -275,9 +264,7 @@ def measure_floor(
         wait_for(lambda: int(redis.llen(ready)) == n, 60, "the floor consumers")
         floor = Floor(redis, design)
         cpu0, whole0 = meter.main(), meter.process()
-        work = new_tasks(plan.tasks)
-        for at in range(0, plan.tasks, FLOOR_CHUNK):
-            floor.enqueue(work[at : at + FLOOR_CHUNK])
+        floor.enqueue_all(new_tasks(plan.tasks))
         cpu1 = meter.main()
         go_at = time.time()
         redis.config_resetstat()

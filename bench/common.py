@@ -15,6 +15,8 @@ from vlmq.config.schemas import Request
 
 __all__ = [
     "machine",
+    "main_thread_cpu",
+    "push_raw",
     "replace_section",
     "require_success",
     "run_in_batches",
@@ -149,3 +151,22 @@ def spread(values: Sequence[float], fmt: str) -> str:
     if len(values) == 1:
         return median
     return f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def main_thread_cpu(redis: Any) -> float:
+    """Redis's main-thread CPU seconds so far (``INFO cpu``): what caps one Redis."""
+    info = redis.info("cpu")
+    return float(info["used_cpu_sys_main_thread"]) + float(info["used_cpu_user_main_thread"])
+
+
+RAW_MESSAGE_BYTES = 1000
+
+
+def push_raw(redis: Any, key: str, tasks: int) -> None:
+    """The raw reference's queue: ``tasks`` ~1 KB strings ``LPUSH``ed onto ``key`` in
+    pipelined chunks of 2,000."""
+    body = "x" * RAW_MESSAGE_BYTES
+    pipe = redis.pipeline(transaction=False)
+    for start in range(0, tasks, 2000):
+        pipe.lpush(key, *[f"{i}:{body}" for i in range(start, min(tasks, start + 2000))])
+        pipe.execute()

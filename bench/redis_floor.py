@@ -48,7 +48,7 @@ from pathlib import Path
 
 import redis as redis_py
 
-from bench.common import machine, replace_section, spread
+from bench.common import machine, main_thread_cpu, push_raw, replace_section, spread
 from bench.redis_phases import run_probe
 from vlmq.producers.localredis import LocalRedis
 
@@ -71,11 +71,6 @@ def message(task_id: str, tag: str) -> str:
     properties = {"delivery_tag": tag}
     wire = {"headers": headers, "properties": properties, "body": "x" * 900}
     return json.dumps(wire, separators=(",", ":"))
-
-
-def main_thread_cpu(redis: redis_py.Redis) -> float:
-    info = redis.info("cpu")
-    return float(info["used_cpu_sys_main_thread"]) + float(info["used_cpu_user_main_thread"])
 
 
 class Callgrind(LocalRedis):
@@ -130,6 +125,7 @@ class Floor:
             phase: redis.register_script((SCRIPTS / f"{design}_{phase}.lua").read_text())
             for phase in PHASES
         }
+        # Loaded now, so no phase's figure includes a script's first load.
         for script in self.scripts.values():
             redis.script_load(script.script)
 
@@ -139,6 +135,11 @@ class Floor:
         for task in tasks:
             argv += task
         return int(self.scripts["enqueue"](keys=[self.QUEUE], args=argv))
+
+    def enqueue_all(self, tasks: list[tuple[str, str, str]]) -> None:
+        """Enqueues ``tasks`` a chunk of CHUNK per call, as vlmq's feed does."""
+        for at in range(0, len(tasks), CHUNK):
+            self.enqueue(tasks[at : at + CHUNK])
 
     def pull(self, count: int) -> list[tuple[str, str]]:
         """Up to ``count`` (id, token) this holder now leases."""
@@ -194,8 +195,7 @@ def run_design(design: str, tasks: int, batch: int, counting: bool) -> dict[str,
 def _drive(
     floor: Floor, work: list[tuple[str, str, str]], batch: int, done: Callable[[str], None]
 ) -> None:
-    for at in range(0, len(work), CHUNK):
-        floor.enqueue(work[at : at + CHUNK])
+    floor.enqueue_all(work)
     done("enqueue")
     pulls = []
     while held := floor.pull(batch):
@@ -214,11 +214,7 @@ def _drive(
 
 
 def _raw(redis: redis_py.Redis, tasks: int, done: Callable[[str], None]) -> None:
-    body = "x" * 1000
-    pipe = redis.pipeline(transaction=False)
-    for at in range(0, tasks, 2000):
-        pipe.lpush("raw", *[f"{i}:{body}" for i in range(at, min(tasks, at + 2000))])
-        pipe.execute()
+    push_raw(redis, "raw", tasks)
     done("raw LPUSH")
     for _ in range(tasks):
         redis.brpop(["raw"], timeout=1)

@@ -8,7 +8,8 @@ For each worker count N, in each round, on one fresh ``redis-server`` (AOF every
 compose file runs it), one after the other:
 
 * **raw**: the tasks' count of ~1 KB strings ``LPUSH``ed in pipelined chunks of 2,000, then
-  N consumer processes each ``BRPOP`` one message per call until the list is empty;
+  N consumer processes each ``BRPOP`` one message per call until the list is empty (each
+  imports torch and transformers first: a worker's footprint, see the note above READY_S);
 * **vlmq**: N ``vlmq worker --engine noop --no-celery`` processes start and register, are
   paused (SIGSTOP), the tasks are enqueued (``--enqueue fed``: a bulk job through
   ``submit_jsonl``, its tasks fed from the staged input, as ``vlmq submit`` and the API's
@@ -64,8 +65,18 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 # A raw consumer: says it is ready, waits for the go, then pops one message per call until the
 # list stays empty for half a second; prints how many it popped and when the last one came.
+# Every consumer process carries a vlmq worker's footprint: its raw and floor consumers import
+# torch and transformers (~550 MB resident; a no-op worker has ~580 MB) before they say they
+# are ready. On this 2-core VM, Redis's CPU per command rises with its neighbours' resident
+# memory even while they sleep: 8,000 pipelined LPUSHes cost 2.2-2.6 us each beside 16
+# sleeping `import redis` processes or none, 3.7-10.1 beside 16 sleeping ones with torch and
+# transformers imported (2 runs of 3 each). Raw beside small consumers and vlmq beside its
+# workers compared the machine, not the designs, by 1.5-3x at 8-16 processes.
+READY_S = 300  # 16 consumers importing torch on 2 cores
+
 _RAW_CONSUMER = r"""
 import sys, time, redis
+import torch, transformers  # a worker's footprint (the note above)
 r = redis.Redis.from_url(sys.argv[1])
 r.lpush(sys.argv[3], "1")
 r.brpop([sys.argv[2]], timeout=0)
@@ -80,6 +91,7 @@ print(n, last)
 # prints how many it settled and when the last one was.
 _FLOOR_CONSUMER = r"""
 import sys, time, redis
+import torch, transformers  # a worker's footprint (the note above)
 from bench.redis_floor import JOB, Floor
 url, design, batch, tasks, ready, go = sys.argv[1:7]
 r = redis.Redis.from_url(url, decode_responses=True)
@@ -231,7 +243,7 @@ def measure_raw(url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: in
     argv = [sys.executable, "-c", _RAW_CONSUMER, url, RAW_GO, RAW_READY, RAW_KEY]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE) for _ in range(n)]
     try:
-        wait_for(lambda: int(redis.llen(RAW_READY)) == n, 60, "the raw consumers")
+        wait_for(lambda: int(redis.llen(RAW_READY)) == n, READY_S, "the raw consumers")
         cpu0, whole0 = meter.main(), meter.process()
         push_raw(redis, RAW_KEY, plan.tasks)
         cpu1 = meter.main()
@@ -261,7 +273,7 @@ def measure_floor(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE) for _ in range(n)]
     try:
-        wait_for(lambda: int(redis.llen(ready)) == n, 60, "the floor consumers")
+        wait_for(lambda: int(redis.llen(ready)) == n, READY_S, "the floor consumers")
         floor = Floor(redis, design)
         cpu0, whole0 = meter.main(), meter.process()
         floor.enqueue_all(new_tasks(plan.tasks))

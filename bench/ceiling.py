@@ -9,7 +9,7 @@ compose file runs it), one after the other:
 
 * **raw**: the tasks' count of ~1 KB strings ``LPUSH``ed in pipelined chunks of 2,000, then
   N consumer processes each ``BRPOP`` one message per call until the list is empty (each
-  imports torch and transformers first: a worker's footprint, see the note above READY_S);
+  imports torch and transformers first: a worker's footprint, see the note above _FOOTPRINT);
 * **vlmq**: N ``vlmq worker --engine noop --no-celery`` processes start and register, are
   paused (SIGSTOP), the tasks are enqueued (``--enqueue fed``: a bulk job through
   ``submit_jsonl``, its tasks fed from the staged input, as ``vlmq submit`` and the API's
@@ -63,20 +63,23 @@ RAW_GO = "raw:go"
 RAW_READY = "raw:ready"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
-# A raw consumer: says it is ready, waits for the go, then pops one message per call until the
-# list stays empty for half a second; prints how many it popped and when the last one came.
-# Every consumer process carries a vlmq worker's footprint: its raw and floor consumers import
+# Every consumer process carries a vlmq worker's footprint (_FOOTPRINT): the raw and floor
+# ones import
 # torch and transformers (~550 MB resident; a no-op worker has ~580 MB) before they say they
 # are ready. On this 2-core VM, Redis's CPU per command rises with its neighbours' resident
 # memory even while they sleep: 8,000 pipelined LPUSHes cost 2.2-2.6 us each beside 16
 # sleeping `import redis` processes or none, 3.7-10.1 beside 16 sleeping ones with torch and
 # transformers imported (2 runs of 3 each). Raw beside small consumers and vlmq beside its
 # workers compared the machine, not the designs, by 1.5-3x at 8-16 processes.
+_FOOTPRINT = "import torch, transformers\n"
 READY_S = 300  # 16 consumers importing torch on 2 cores
 
-_RAW_CONSUMER = r"""
+# A raw consumer: says it is ready, waits for the go, then pops one message per call until the
+# list stays empty for half a second; prints how many it popped and when the last one came.
+_RAW_CONSUMER = (
+    _FOOTPRINT
+    + r"""
 import sys, time, redis
-import torch, transformers  # a worker's footprint (the note above)
 r = redis.Redis.from_url(sys.argv[1])
 r.lpush(sys.argv[3], "1")
 r.brpop([sys.argv[2]], timeout=0)
@@ -85,13 +88,15 @@ while r.brpop([sys.argv[4]], timeout=0.5) is not None:
     n, last = n + 1, time.time()
 print(n, last)
 """
+)
 
 # A consumer of a floor design (bench/redis_floor.py, ``--floor``): says it is ready, waits
 # for the go, then pulls, starts and settles batches until the job's every task succeeded;
 # prints how many it settled and when the last one was.
-_FLOOR_CONSUMER = r"""
+_FLOOR_CONSUMER = (
+    _FOOTPRINT
+    + r"""
 import sys, time, redis
-import torch, transformers  # a worker's footprint (the note above)
 from bench.redis_floor import JOB, Floor
 url, design, batch, tasks, ready, go = sys.argv[1:7]
 r = redis.Redis.from_url(url, decode_responses=True)
@@ -111,6 +116,7 @@ while True:
     n, last = n + sum(floor.settle(held)), time.time()
 print(n, last)
 """
+)
 
 # Enqueues in the tree under test (its vlmq first on sys.path): prints the job id.
 _ENQUEUE = r"""

@@ -63,11 +63,10 @@ RAW_GO = "raw:go"
 RAW_READY = "raw:ready"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
-# Every consumer process carries a vlmq worker's footprint (_FOOTPRINT): the raw and floor
-# ones import
-# torch and transformers (~550 MB resident; a no-op worker has ~580 MB) before they say they
-# are ready. On this 2-core VM, Redis's CPU per command rises with its neighbours' resident
-# memory even while they sleep: 8,000 pipelined LPUSHes cost 2.2-2.6 us each beside 16
+# Every consumer process carries a vlmq worker's footprint (_FOOTPRINT): the raw and floor ones
+# import torch and transformers (~550 MB resident; a no-op worker has ~580 MB) before they say
+# they are ready. On this 2-core VM, Redis's CPU per command rises with its neighbours'
+# resident memory even while they sleep: 8,000 pipelined LPUSHes cost 2.2-2.6 us each beside 16
 # sleeping `import redis` processes or none, 3.7-10.1 beside 16 sleeping ones with torch and
 # transformers imported (2 runs of 3 each). Raw beside small consumers and vlmq beside its
 # workers compared the machine, not the designs, by 1.5-3x at 8-16 processes.

@@ -127,7 +127,9 @@ local function write_folds(folds)
     for i, claim in ipairs(pending.claims) do
       if live[i] then
         records[#records + 1] = claim
-        records[#records + 1] = string.match(live[i], '^%S+') .. ' ' .. pending.tails[i]
+        local space = string.find(live[i], ' ', 1, true)  -- (its submission: the first word)
+        local by = space and string.sub(live[i], 1, space - 1) or live[i]
+        records[#records + 1] = by .. ' ' .. pending.tails[i]
       end
     end
     call_many('HSET', claims, records, 2)
@@ -157,6 +159,14 @@ end
 -- that created the task and counted it in its job does; a message cannot join a job).
 local function read_fields(at, k) return read_pairs(at, k, 'job_id') end
 
+-- The count after `text` (a counter field's value, nil for none) as text: a small one from
+-- the table (tostring formats a number with sprintf, ~1,500 instructions: a start's attempt
+-- count is written per task).
+local COUNT_AFTER = {['0'] = '1', ['1'] = '2', ['2'] = '3', ['3'] = '4', ['4'] = '5', ['5'] = '6'}
+local function count_after(text)
+  return COUNT_AFTER[text or '0'] or tostring((tonumber(text) or 0) + 1)
+end
+
 -- One task's move (`m`: read_move): its template's allowed from-states; the template's
 -- `stampf` (if not '') gets Redis's time (`ctx.ts`, formatted once per call); the job's
 -- counters change in `tally`. `h` is the task hash's MOVE_FIELDS, read once by fenced_move.
@@ -172,18 +182,18 @@ local function move(key, id, m, h, ctx, tally)
   if in_job and h[CLAIM] and FOLDED[new] then
     fold(key, h, m, ctx.jobs .. job, ctx.folds)  -- its hash goes: no point writing it
   else
-    local fields = {unpack(tpl.fields)}
-    for _, x in ipairs(m.fields) do fields[#fields + 1] = x end
-    if tpl.stampf ~= '' then fields[#fields + 1] = tpl.stampf; fields[#fields + 1] = ctx.ts end
+    local args, shared, own = ctx.args, tpl.fields, m.fields
+    local n = #shared
+    for j = 1, n do args[j] = shared[j] end
+    for j = 1, #own do args[n + j] = own[j] end
+    n = n + #own
+    if tpl.stampf ~= '' then args[n + 1], args[n + 2], n = tpl.stampf, ctx.ts, n + 2 end
     if tpl.attempt then
-      fields[#fields + 1] = 'attempts'
-      fields[#fields + 1] = tostring((tonumber(h[ATTEMPTS]) or 0) + 1)
-      fields[#fields + 1] = 'started'
-      fields[#fields + 1] = m.token
+      args[n + 1], args[n + 2] = 'attempts', count_after(h[ATTEMPTS])
+      args[n + 3], args[n + 4], n = 'started', m.token, n + 4
     end
-    fields[#fields + 1] = 'state'
-    fields[#fields + 1] = new
-    redis.call('HSET', key, unpack(fields))
+    args[n + 1], args[n + 2] = 'state', new
+    redis.call('HSET', key, unpack(args, 1, n + 2))
   end
   if current == 'queued' and new ~= 'queued' and h[QUOTA] then
     quota_add(h[QUOTA], -1, -(tonumber(h[EST] or '0') or 0))  -- it counted in a quota of its own
@@ -205,8 +215,10 @@ local function read_templates(at)
   for i = 1, n do
     local k = tonumber(ARGV[at + 4])
     local fields = read_fields(at + 5, k)
-    templates[i] = {new = ARGV[at], allowed = allowed_set(ARGV[at + 1]), stampf = ARGV[at + 2],
-                    attempt = ARGV[at + 3] == '1', fields = fields, stored = stores(fields)}
+    -- (keyed by the number's text, as each move names it: no number parsed per move)
+    templates[tostring(i)] = {new = ARGV[at], allowed = allowed_set(ARGV[at + 1]),
+                              stampf = ARGV[at + 2], attempt = ARGV[at + 3] == '1',
+                              fields = fields, stored = stores(fields)}
     at = at + 5 + 2 * k
   end
   return templates, at
@@ -214,23 +226,24 @@ end
 
 -- How many of MOVE_FIELDS a call's moves read: all when one of them may end a task.
 local function fields_read(templates)
-  for _, tpl in ipairs(templates) do
+  for _, tpl in pairs(templates) do
     if FOLDED[tpl.new] then return #MOVE_FIELDS end
   end
   return START_FIELDS
 end
 
--- Reads one task's move from ARGV at `at`: its template (1-based), token, then a count of its
+-- Reads one task's move from ARGV at `at`: its template (its number, 1-based), token, then a count of its
 -- own field/value pairs and the pairs. Returns the move and the next `at`.
+-- (The common case, no fields of its own, parses no number and makes no table: per task,
+-- each costs a start about as much as a small command's look-up does.)
+local NO_FIELDS = {}
+
 local function read_move(templates, at)
+  local m = {tpl = templates[ARGV[at]], token = ARGV[at + 1], fields = NO_FIELDS}
+  if ARGV[at + 2] == '0' then return m, at + 3 end
   local k = tonumber(ARGV[at + 2])
-  local m = {tpl = templates[tonumber(ARGV[at])], token = ARGV[at + 1]}
-  if k > 0 then
-    m.fields = read_fields(at + 3, k)
-    m.stored = stores(m.fields)
-  else
-    m.fields = {}
-  end
+  m.fields = read_fields(at + 3, k)
+  m.stored = stores(m.fields)
   return m, at + 3 + 2 * k
 end
 
@@ -288,7 +301,7 @@ end
 function commands.transition()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
-               events = KEYS[1], folds = new_folds()}
+               events = KEYS[1], folds = new_folds(), args = {}}
   local templates, at = read_templates(5)
   ctx.fields = fields_read(templates)
   local replies, tally = {}, new_tally()
@@ -322,7 +335,7 @@ commands.start = commands.transition
 function commands.settle()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
-               events = KEYS[6], keep = true, folds = new_folds()}
+               events = KEYS[6], keep = true, folds = new_folds(), args = {}}
   local groups, at = read_usage_groups(7)
   local templates
   templates, at = read_templates(at)
@@ -332,7 +345,7 @@ function commands.settle()
     local id = ARGV[at]
     local m
     m, at = read_move(templates, at + 1)
-    local group, own = groups[tonumber(ARGV[at])], ARGV[at + 1]
+    local group, own = groups[ARGV[at]], ARGV[at + 1]
     at = at + 2
     local previous, moved, held, h, current = fenced_move(KEYS[i], id, m, ctx, tally)
     if held == 1 or current == 'ended' then settled[#settled + 1] = id end

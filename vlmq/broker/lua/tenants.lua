@@ -50,7 +50,8 @@ local function read_usage_groups(at)
     local group = {dims = ARGV[at], n = tonumber(ARGV[at + 1]), values = {}, jobs = {},
                    tenants = {}, owns = {}}
     for j = 1, #USAGE_METRICS do group.values[j] = tonumber(ARGV[at + 1 + j]) or 0 end
-    groups[g] = group
+    -- (found by its number's text too, as each task names it: no number parsed per task)
+    groups[g], groups[tostring(g)] = group, group
     at = at + 2 + #USAGE_METRICS
   end
   return groups, at

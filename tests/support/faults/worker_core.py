@@ -128,10 +128,15 @@ def renewal_stall(
     }
 
 
-def cut_off_holder(h: Harness, tasks: int = 16, delay_s: float = 7.0) -> dict[str, Any]:
+def cut_off_holder(h: Harness, tasks: int = 16, delay_s: float = 15.0) -> dict[str, Any]:
     """A worker cut off from Redis past its lease while it runs a batch: the batch is taken
     over and finished elsewhere; when the first holder comes back, its results are refused
-    (fenced) and never become the tasks' results."""
+    (fenced) and never become the tasks' results.
+
+    The batch's engine call outlasts the takeover (the rescuer's start, up to ~5 s on a loaded
+    host, then the 3 s lease and the reap): one that ended first would have stored its results
+    before the rescuer took the tasks, and a redelivered task with a stored result is settled
+    with it, not run again (workers/fleet/triage.py), which is right, and not this drill."""
     proxy = h.redis_proxy()
     job, ids = h.submit_text(tasks)
     cut_off = h.noop_worker("cut-off", delay_s, VLMQ_REDIS_URL=proxy.redis_url, **_LEASED)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import machine, replace_section
-from bench.redis_phases import VLMQ_PHASES, run_probe
+from bench.redis_phases import run_probe, vlmq_total
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "redis-features"
@@ -134,17 +134,13 @@ def copy_without(feature: Feature, into: Path) -> Path:
     return into
 
 
-def total(run: dict[str, float]) -> float:
-    return sum(run[phase] for phase in VLMQ_PHASES)
-
-
 def render(
     whole: dict[str, float],
     without: dict[str, dict[str, float]],
     args: argparse.Namespace,
     command: str,
 ) -> str:
-    base = total(whole)
+    base = vlmq_total(whole)
     lines = [
         f"Command: `{command}`",
         "",
@@ -157,7 +153,7 @@ def render(
     ]
     saved_all = 0.0
     for feature in FEATURES:
-        saved = base - total(without[feature.name])
+        saved = base - vlmq_total(without[feature.name])
         saved_all += saved
         lines.append(f"| {feature.name} | {feature.what} | {saved:,.0f} | {saved / base:.1%} |")
     lines.append(f"| **all of them** | | **{saved_all:,.0f}** | **{saved_all / base:.1%}** |")

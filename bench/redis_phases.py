@@ -148,8 +148,13 @@ def run_probe(tree: Path, tasks: int, batch: int, enqueue: str, counting: bool) 
     return figures
 
 
+def vlmq_total(run: dict[str, float]) -> float:
+    """A task's cost in vlmq's four phases (enqueue, pull, start, settle)."""
+    return sum(run[p] for p in VLMQ_PHASES)
+
+
 def _totals(run: dict[str, float]) -> dict[str, float]:
-    vlmq = sum(run[p] for p in VLMQ_PHASES)
+    vlmq = vlmq_total(run)
     raw = run["raw LPUSH"] + run["raw BRPOP"]
     return {**run, "vlmq: enqueue + pull + start + settle": vlmq, "raw: LPUSH + BRPOP": raw}
 

@@ -231,24 +231,26 @@ local function read_templates(at)
 end
 
 -- The fields a call's moves read (`ends`: read what an end needs whatever the moves are), as
--- the list, how many of it, and where the attempt's fields are (nil: not read).
+-- the list, how many of it, and where the attempt's fields are (nil: not read; in either
+-- list they are the last two).
 local function fields_read(templates, ends)
   local attempts = false
   for _, tpl in pairs(templates) do
     ends = ends or FOLDED[tpl.new] ~= nil
     attempts = attempts or tpl.attempt
   end
-  if not ends then return START_FIELDS, #START_FIELDS, 5 end
-  if attempts then return MOVE_FIELDS, #MOVE_FIELDS, 9 end
-  return MOVE_FIELDS, 8, nil
+  if not ends then return START_FIELDS, #START_FIELDS, #START_FIELDS - 1 end
+  if attempts then return MOVE_FIELDS, #MOVE_FIELDS, #MOVE_FIELDS - 1 end
+  return MOVE_FIELDS, NOTIFY, nil
 end
 
--- Reads one task's move from ARGV at `at`: its template (its number, 1-based), token, then a count of its
--- own field/value pairs and the pairs. Returns the move and the next `at`.
--- (The common case, no fields of its own, parses no number and makes no table: per task,
--- each costs a start about as much as a small command's look-up does.)
+-- A move's own fields when it has none (shared, never written to).
 local NO_FIELDS = {}
 
+-- Reads one task's move from ARGV at `at`: its template (its number, 1-based), token, then a
+-- count of its own field/value pairs and the pairs. Returns the move and the next `at`. (The
+-- common case, no fields of its own, parses no number and makes no table: per task, each
+-- costs a start about as much as a small command's look-up does.)
 local function read_move(templates, at)
   local m = {tpl = templates[ARGV[at]], token = ARGV[at + 1], fields = NO_FIELDS}
   if ARGV[at + 2] == '0' then return m, at + 3 end
@@ -274,10 +276,10 @@ end
 
 -- A fenced move: refused for a holder whose delivery `m.token` is no longer the task's (''
 -- = unfenced: producers); counts an attempt when it moves. Returns previous state, moved
--- (1|0), held (1|0), the hash's fields the call reads before it, and what the task's delivery count is
--- now: the number, 'ended' (the task ended and was folded without this delivery's result:
--- nothing of this holder's is the task's) or '' (unknown). A task folded by this very
--- delivery (its own earlier settle) reads as held, never as someone else's.
+-- (1|0), held (1|0), the hash's fields the call reads before it, and what the task's
+-- delivery count is now: the number, 'ended' (the task ended and was folded without this
+-- delivery's result: nothing of this holder's is the task's) or '' (unknown). A task folded
+-- by this very delivery (its own earlier settle) reads as held, never as someone else's.
 local function fenced_move(key, id, m, ctx, tally)
   -- (a task twice in one call: its first move's fold is written before its second is read)
   if ctx.folds.deleting[key] then write_folds(ctx.folds) end

@@ -209,3 +209,56 @@ def test_the_api_refuses_work_by_redis_memory(settings: Settings, redis_server: 
     finally:
         redis.config_set("maxmemory", 0)
         http.close()
+
+
+_NOOP_WITHOUT_TORCH = """
+import sys, threading, time
+for name in ("torch", "torchvision", "transformers"):
+    sys.modules[name] = None  # an import of any of them fails
+from vlmq.broker.connection import create_redis
+from vlmq.config.settings import Settings
+from vlmq.producers.client import Client
+from vlmq.stores.urls import open_store
+from vlmq.workers.engine.noop import NoopEngine
+from vlmq.workers.fleet.service import compose_loop
+
+settings = Settings()
+client = Client(settings)
+task = client.submit({"messages": [{"role": "user", "content": "hello"}]})
+store = open_store(settings.results_url, settings.s3_endpoint_url)
+engine = NoopEngine(0.0).setup()
+loop = compose_loop(settings, ["text"], engine, "noop", create_redis(settings), store)
+threading.Thread(target=loop.run_forever, daemon=True).start()
+deadline = time.monotonic() + 60
+while client.status(task).get("state") != "succeeded" and time.monotonic() < deadline:
+    time.sleep(0.05)
+loop.stop()
+print(client.status(task).get("state"), loop.parts.pricing.gpu)
+"""
+
+
+def test_a_noop_worker_runs_without_torch(settings: Settings) -> None:
+    """The noop engine (the fault drills' and benches' workers) needs no torch: a worker
+    that imported it only to name its GPU paid ~3 s of CPU a start."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "VLMQ_REDIS_URL": settings.redis_url,
+        "VLMQ_RESULTS_URL": settings.results_url,
+        "VLMQ_S3_ENDPOINT_URL": settings.s3_endpoint_url or "",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _NOOP_WITHOUT_TORCH],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["succeeded", "cpu"], done.stderr[-3000:]

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -124,7 +125,11 @@ def compose_loop(
 
 def _gpu_name() -> str:
     """The GPU's name for the worker record (imported here: a prepare worker runs without
-    torch, and only a model worker prices its time)."""
+    torch, and only a model worker prices its time). A worker whose engine never imported torch
+    (the noop engine) runs nothing on a device: 'cpu', as on a host without CUDA, and it does
+    not import torch only to say so (~3 s of CPU a start)."""
+    if sys.modules.get("torch") is None:
+        return "cpu"
     from vlmq.workers.engine.gputime import device_name
 
     return device_name()

@@ -10,7 +10,8 @@ compose file runs it), one after the other:
 * **raw**: the tasks' count of ~1 KB strings ``LPUSH``ed in pipelined chunks of 2,000, then
   N consumer processes each ``BRPOP`` one message per call until the list is empty (each
   imports torch and transformers first: a worker's footprint, see the note above _FOOTPRINT);
-* **vlmq**: N ``vlmq worker --engine noop --no-celery`` processes start and register, are
+* **vlmq**: N ``vlmq worker --engine noop --no-celery`` processes (with the same footprint)
+  start and register, are
   paused (SIGSTOP), the tasks are enqueued (``--enqueue fed``: a bulk job through
   ``submit_jsonl``, its tasks fed from the staged input, as ``vlmq submit`` and the API's
   batches do; ``ids``: ``Client.submit_many``), and the workers resumed; each pulls batches
@@ -64,7 +65,7 @@ RAW_READY = "raw:ready"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 # Every consumer process carries a vlmq worker's footprint (_FOOTPRINT): the raw and floor ones
-# import torch and transformers (~550 MB resident; a no-op worker has ~580 MB) before they say
+# import torch and transformers (~550 MB resident), as the no-op workers do, before they say
 # they are ready. On this 2-core VM, Redis's CPU per command rises with its neighbours'
 # resident memory even while they sleep: 8,000 pipelined LPUSHes cost 2.2-2.6 us each beside 16
 # sleeping `import redis` processes or none, 3.7-10.1 beside 16 sleeping ones with torch and
@@ -72,6 +73,9 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 # workers compared the machine, not the designs, by 1.5-3x at 8-16 processes.
 _FOOTPRINT = "import torch, transformers\n"
 READY_S = 300  # 16 consumers importing torch on 2 cores
+# `python -m vlmq` after the footprint: the vlmq workers carry it too (a noop worker imports
+# no torch of its own: workers/fleet/service.py, _gpu_name), as a model worker does.
+_VLMQ_MAIN = "import runpy\nrunpy.run_module('vlmq', run_name='__main__')\n"
 
 # A raw consumer: says it is ready, waits for the go, then pops one message per call until the
 # list stays empty for half a second; prints how many it popped and when the last one came.
@@ -319,7 +323,8 @@ def _env(tree: Path, url: str, results: str, batch: int) -> dict[str, str]:
 def _start_workers(
     tree: Path, env: dict[str, str], n: int, tmp: Path
 ) -> list[subprocess.Popen[bytes]]:
-    command = [sys.executable, "-m", "vlmq", "worker", "--modality", "text"]
+    # (with a worker's footprint: a noop worker no longer imports torch of its own accord)
+    command = [sys.executable, "-c", _FOOTPRINT + _VLMQ_MAIN, "worker", "--modality", "text"]
     command += ["--engine", "noop", "--no-celery"]
     procs = []
     for i in range(n):

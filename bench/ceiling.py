@@ -11,12 +11,11 @@ compose file runs it), one after the other:
   N consumer processes each ``BRPOP`` one message per call until the list is empty (each
   imports torch and transformers first: a worker's footprint, see the note above _FOOTPRINT);
 * **vlmq**: N ``vlmq worker --engine noop --no-celery`` processes (with the same footprint)
-  start and register, are
-  paused (SIGSTOP), the tasks are enqueued (``--enqueue fed``: a bulk job through
-  ``submit_jsonl``, its tasks fed from the staged input, as ``vlmq submit`` and the API's
-  batches do; ``ids``: ``Client.submit_many``), and the workers resumed; each pulls batches
-  of ``--batch``, starts, "runs" and settles them, writing a result object per task to a
-  local folder, until the job has finished;
+  start and register, are paused (SIGSTOP), the tasks are enqueued (``--enqueue fed``: a
+  bulk job through ``submit_jsonl``, its tasks fed from the staged input, as ``vlmq submit``
+  and the API's batches do; ``ids``: ``Client.submit_many``), and the workers resumed; each
+  pulls batches of ``--batch``, starts, "runs" and settles them, writing a result object per
+  task to a local folder, until the job has finished;
 * **against** (``--against PATH``, a checkout of another commit): the same with that
   checkout's code, in the same round.
 
@@ -323,7 +322,6 @@ def _env(tree: Path, url: str, results: str, batch: int) -> dict[str, str]:
 def _start_workers(
     tree: Path, env: dict[str, str], n: int, tmp: Path
 ) -> list[subprocess.Popen[bytes]]:
-    # (with a worker's footprint: a noop worker no longer imports torch of its own accord)
     command = [sys.executable, "-c", _FOOTPRINT + _VLMQ_MAIN, "worker", "--modality", "text"]
     command += ["--engine", "noop", "--no-celery"]
     procs = []

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.samples import make_video_bytes, save_image
 from tests.support.services import wait_until
+from tests.support.without_torch import run_without_torch
 from vlmq.broker.connection import create_redis
 from vlmq.broker.queues import prepare_backlog, queue_depth
 from vlmq.config.keys import Keys
@@ -285,9 +286,6 @@ def test_a_draining_prepare_worker_hands_back_what_it_holds_at_once(
 
 
 _WITHOUT_TORCH = """
-import sys
-for name in ("torch", "torchvision", "transformers"):
-    sys.modules[name] = None  # an import of any of them fails
 from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 from vlmq.workers.fleet.service import compose_prepare_loop
@@ -304,26 +302,15 @@ def test_a_prepare_worker_runs_without_torch(
     settings: Settings, media: Path, checkpoint: Any, tmp_path: Path
 ) -> None:
     import json
-    import os
-    import subprocess
-    import sys
 
     settings = _settings(settings, media, checkpoint("qwen2_5_vl"))
     client = Client(settings)
     job = client.submit_many(_requests(media))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "VLMQ_REDIS_URL": settings.redis_url,
-        "VLMQ_RESULTS_URL": settings.results_url,
-        "VLMQ_S3_ENDPOINT_URL": settings.s3_endpoint_url or "",
-        "VLMQ_MODEL": settings.model,
-        "VLMQ_MEDIA__LOCAL_ROOTS": json.dumps([str(media)]),
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_TORCH], env=env, capture_output=True, text=True, timeout=120
+    done = run_without_torch(
+        _WITHOUT_TORCH,
+        settings,
+        VLMQ_MODEL=settings.model,
+        VLMQ_MEDIA__LOCAL_ROOTS=json.dumps([str(media)]),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     keys = Keys()

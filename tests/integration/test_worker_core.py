@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from tests.integration.test_fleet_loop import RecordingEngine, Running, make_loop
 from tests.support.services import wait_until
 from tests.support.webhook_receiver import HookReceiver
+from tests.support.without_torch import run_without_torch
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.settings import ApiSettings, Settings, WebhookSettings
@@ -212,9 +213,7 @@ def test_the_api_refuses_work_by_redis_memory(settings: Settings, redis_server: 
 
 
 _NOOP_WITHOUT_TORCH = """
-import sys, threading, time
-for name in ("torch", "torchvision", "transformers"):
-    sys.modules[name] = None  # an import of any of them fails
+import threading, time
 from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
@@ -240,25 +239,6 @@ print(client.status(task).get("state"), loop.parts.pricing.gpu)
 def test_a_noop_worker_runs_without_torch(settings: Settings) -> None:
     """The noop engine (the fault drills' and benches' workers) needs no torch: a worker
     that imported it only to name its GPU paid ~3 s of CPU a start."""
-    import os
-    import subprocess
-    import sys
-
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "VLMQ_REDIS_URL": settings.redis_url,
-        "VLMQ_RESULTS_URL": settings.results_url,
-        "VLMQ_S3_ENDPOINT_URL": settings.s3_endpoint_url or "",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _NOOP_WITHOUT_TORCH],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_without_torch(_NOOP_WITHOUT_TORCH, settings)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["succeeded", "cpu"], done.stderr[-3000:]

@@ -129,6 +129,7 @@ REPLY_DRILL_FULL = {
     "api_tasks": 500,
     "client_tasks": 1000,
     "cancelled_tasks": 1000,
+    "batch_size": 4,
 }
 
 

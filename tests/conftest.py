@@ -24,6 +24,7 @@ import redis
 from filelock import FileLock
 
 from tests.support.services import MotoServer, RedisServer
+from tests.support.zygote import ZYGOTE
 from vlmq.broker.connection import create_redis
 from vlmq.config.settings import Settings
 
@@ -40,6 +41,10 @@ SHARED_DATABASES = 4096
 
 def pytest_configure(config: pytest.Config) -> None:
     _interruptible_children()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    ZYGOTE.close()  # (started by a test's first `python -m vlmq`, if any)
 
 
 def _interruptible_children() -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.zygote import vlmq_process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,12 +21,10 @@ def tiny_model(checkpoint):
 
 
 def vlmq(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
-    """A real ``vlmq`` process (the console script's module entry point)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "vlmq", *args],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        **kwargs,
+    """A real ``vlmq`` process (the console script's module entry point), forked from the
+    test process's zygote where it can be (tests/support/zygote.py)."""
+    return vlmq_process(
+        [sys.executable, "-m", "vlmq", *args], {**os.environ, **(env or {})}, cwd=ROOT, **kwargs
     )
 
 

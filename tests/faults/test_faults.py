@@ -9,8 +9,8 @@ from tests.support.faults.harness import Harness
 
 
 @pytest.fixture
-def harness(tmp_path):
-    with Harness(tmp_path) as h:
+def harness(tmp_path, moto_server):
+    with Harness(tmp_path, moto=moto_server) as h:
         yield h
 
 

@@ -31,8 +31,8 @@ FAILOVER_BOUND_S = 15
 
 
 @pytest.fixture
-def drill(tmp_path):
-    with SentinelHarness(tmp_path) as h:
+def drill(tmp_path, moto_server):
+    with SentinelHarness(tmp_path, moto=moto_server) as h:
         yield h
 
 
@@ -70,10 +70,10 @@ def test_failover_with_wait_loses_no_acknowledged_settle(drill):
     )
 
 
-def test_celery_host_follows_the_failover(tmp_path):
+def test_celery_host_follows_the_failover(tmp_path, moto_server):
     """A Celery-hosted worker (kombu's sentinel transport) answers a control ping before
     and after a failover; a task published through the app lands on the current master."""
-    with SentinelHarness(tmp_path) as h:
+    with SentinelHarness(tmp_path, moto=moto_server) as h:
         proc = h.worker("--modality", "text", "--engine", "noop", "--name", "celery-ha")
         h.wait_registered("celery-ha")
         app = make_app(h.settings)

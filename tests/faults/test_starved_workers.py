@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.faults.harness import Harness
-from tests.support.services import wait_until
+from tests.support.services import MotoServer, wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.status import TERMINAL
 
@@ -27,8 +27,8 @@ ENGINE_S = 5
 
 
 @pytest.fixture
-def harness(tmp_path: Path) -> Iterator[Harness]:
-    with Harness(tmp_path) as h:
+def harness(tmp_path: Path, moto_server: MotoServer) -> Iterator[Harness]:
+    with Harness(tmp_path, moto=moto_server) as h:
         yield h
 
 

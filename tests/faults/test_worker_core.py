@@ -11,11 +11,12 @@ import pytest
 
 from tests.support.faults import worker_core
 from tests.support.faults.harness import Harness, faketime_library
+from tests.support.services import MotoServer
 
 
 @pytest.fixture
-def harness(tmp_path: Path) -> Iterator[Harness]:
-    with Harness(tmp_path) as h:
+def harness(tmp_path: Path, moto_server: MotoServer) -> Iterator[Harness]:
+    with Harness(tmp_path, moto=moto_server) as h:
         yield h
 
 

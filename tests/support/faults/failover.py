@@ -23,7 +23,7 @@ import redis
 from tests.support.faults.harness import Harness, batch_policy
 from tests.support.faults.scenarios import _delivery_figures
 from tests.support.sentinel import DataNode, SentinelCluster
-from tests.support.services import wait_until
+from tests.support.services import MotoServer, wait_until
 from vlmq.broker.state import State
 from vlmq.config.keys import Keys
 from vlmq.config.status import TERMINAL
@@ -37,8 +37,10 @@ TERMINAL_STATES = {s.value for s in TERMINAL}
 class SentinelHarness(Harness):
     """The fault harness on a master, two replicas and three sentinels."""
 
-    def __init__(self, workdir: Path, link_delay_s: float = 0.0) -> None:
-        super().__init__(workdir)
+    def __init__(
+        self, workdir: Path, link_delay_s: float = 0.0, moto: MotoServer | None = None
+    ) -> None:
+        super().__init__(workdir, moto=moto)
         self.cluster = SentinelCluster(workdir / "sentinel", link_delay_s=link_delay_s)
         # Harness starts, addresses and kills ``redis``: the cluster stands in for it.
         self.redis = self.cluster  # type: ignore[assignment]

@@ -15,12 +15,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tests.support.proxy import Proxy
 from tests.support.services import MotoServer, RedisServer, wait_until
+from tests.support.zygote import vlmq_process
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
@@ -88,12 +90,19 @@ def batch_policy(size: int, wait_s: float = 0.05) -> str:
 
 
 class Harness:
-    def __init__(self, workdir: Path | None = None, appendonly: bool = True) -> None:
+    """A drill's Redis (its own: drills kill and restart it), S3 behind a breakable proxy, and
+    its worker processes. ``moto``: a running moto server to share (the tests' session one;
+    the drill gets a bucket of its own on it), else the harness starts and stops its own."""
+
+    def __init__(
+        self, workdir: Path | None = None, appendonly: bool = True, moto: MotoServer | None = None
+    ) -> None:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="vlmq-faults-"))
         self.redis = RedisServer(self.workdir / "redis", appendonly=appendonly)
-        self.moto = MotoServer()
+        self.moto = moto or MotoServer()
+        self._own_moto = moto is None
         self.proxy: Proxy | None = None
-        self.bucket = "faults"
+        self.bucket = "faults" if moto is None else f"faults-{uuid.uuid4().hex[:12]}"
         self.workers: list[subprocess.Popen[bytes]] = []
         self.logs: dict[int, Path] = {}  # worker pid -> its log file
         self.redis_proxies: list[Proxy] = []
@@ -104,7 +113,8 @@ class Harness:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
         self.redis.start()
-        self.moto.start()
+        if self._own_moto:
+            self.moto.start()
         self.moto.s3().create_bucket(Bucket=self.bucket)
         self.proxy = Proxy(self.moto.port).up()
         return self
@@ -118,7 +128,8 @@ class Harness:
             self.proxy.down()
         for proxy in self.redis_proxies:
             proxy.down()
-        self.moto.stop()
+        if self._own_moto:
+            self.moto.stop()
         self.redis.kill()
 
     def __enter__(self) -> Harness:
@@ -178,10 +189,10 @@ class Harness:
         logs.mkdir(exist_ok=True)
         path = logs / f"worker-{len(self.workers)}.log"
         with path.open("wb") as log:
-            proc = subprocess.Popen(
+            proc = vlmq_process(
                 [sys.executable, "-m", "vlmq", "--log-level", "info", "worker", *args],
+                self.env(**env),
                 cwd=self.workdir,
-                env=self.env(**env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

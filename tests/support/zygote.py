@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -147,13 +148,19 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
 
 def _status(pid: int) -> dict[str, Any]:
-    try:
-        reaped, status = os.waitpid(pid, os.WNOHANG)  # (never blocks the zygote)
-    except ChildProcessError as exc:
-        return {"error": f"no such child: {exc}"}
-    if reaped == 0:
-        return {"error": f"{pid} is still running"}
-    return {"status": status}
+    """The exit status of a child whose pidfd said it exited (it is waitable then, or within
+    moments: the wait never blocks the zygote for longer)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError as exc:
+            return {"error": f"no such child: {exc}"}
+        if reaped:
+            return {"status": status}
+        if time.monotonic() > deadline:
+            return {"error": f"{pid} is still running"}
+        time.sleep(0.001)
 
 
 def _answer(sock: socket.socket, reply: dict[str, Any]) -> None:
@@ -262,6 +269,8 @@ class Zygote:
         return int(reply["pid"])
 
     def status(self, pid: int) -> int:
+        if self._sock is None:  # (closed: its children's statuses went with it)
+            raise ChildProcessError(f"the zygote that forked {pid} is gone")
         reply = self._ask({"op": "status", "pid": pid})
         if "error" in reply:
             raise ChildProcessError(reply["error"])
@@ -371,8 +380,13 @@ class ZygotePopen(subprocess.Popen):
     def _internal_poll(self, _deadstate: Any = None, **_: Any) -> int | None:
         if self.returncode is None and select.select([self._exited], [], [], 0)[0]:
             with self._waitpid_lock:  # type: ignore[attr-defined]
-                if self.returncode is None:
-                    self._reap()
+                try:
+                    if self.returncode is None:
+                        self._reap()
+                except ChildProcessError:
+                    if _deadstate is None:  # (Popen's own clean-up passes one: it gives up)
+                        raise
+                    self.returncode = _deadstate
         return self.returncode
 
     def _wait(self, timeout: float | None) -> int:

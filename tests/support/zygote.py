@@ -12,10 +12,11 @@ What stays as a fresh process would have it:
 * the child is a real process the test signals, kills and waits for by pid
   (``ZygotePopen`` is a ``subprocess.Popen``); it is the zygote's child, so the zygote reaps it
   and answers its exit status when the test asks (the test sees its exit through a pidfd);
-* only an environment that differs from the zygote's in vlmq's own settings (``VLMQ_*``), S3
-  credentials (``AWS_*``) and ``PYTEST_CURRENT_TEST`` is forked: anything else (``LD_PRELOAD``
-  and ``FAKETIME`` for a skewed clock, ``PYTHONPATH``, thread counts a library reads at
-  import) gets a fresh process, as does any command that is not ``python -m vlmq``;
+* only an environment that differs from the zygote's in what is read at run time
+  (``OWN_PREFIXES``: vlmq's settings, S3 credentials) is forked: anything else
+  (``LD_PRELOAD`` and ``FAKETIME`` for a skewed clock, ``PYTHONPATH``, thread counts a
+  library reads at import) gets a fresh process, as does any command that is not ``python -m
+  vlmq``;
 * the zygote forks only while it has one thread (a library that started a thread at import
   would leave the child a lock held by no one): once it refuses, every request gets a fresh
   process.
@@ -77,12 +78,29 @@ PRELOAD = (
     "vlmq.stores.s3",
 )
 # Environment a forked child may have of its own: read at run time, never at import (vlmq's
-# settings, S3's credentials, the name pytest gives the test running).
-OWN_PREFIXES = ("VLMQ_", "AWS_", "PYTEST_CURRENT_TEST")
+# settings, S3's credentials, the name pytest gives the test running, and the cache folder
+# torch's compiler writes into the test process's environment the first time it runs there).
+OWN_PREFIXES = ("VLMQ_", "AWS_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 # The zygote's own: numpy's OpenBLAS starts a pool thread at import, and a process forked
 # with a thread it did not start is not safe (a lock the thread held stays held). Its
 # children run BLAS on one thread (their torch runs on one too: VLMQ_ENGINE__TORCH_THREADS).
 ZYGOTE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+# The Popen options a forked child honours (any other, a preexec_fn, descriptors to pass, a
+# process group, a user: a fresh process).
+FORKED_OPTIONS = frozenset(
+    {
+        "stdin",
+        "stdout",
+        "stderr",
+        "cwd",
+        "text",
+        "universal_newlines",
+        "encoding",
+        "errors",
+        "bufsize",
+        "start_new_session",
+    }
+)
 MESSAGE_MAX = 1 << 20
 STREAMS = 3  # stdin, stdout, stderr
 
@@ -403,7 +421,7 @@ class ZygotePopen(subprocess.Popen):
 def vlmq_process(args: Sequence[str], env: Mapping[str, str], **popen: Any) -> subprocess.Popen:
     """``args`` (``sys.executable -m vlmq ...``) as a process: forked by the zygote where it
     can be (``forks``), else a fresh one; either way a ``subprocess.Popen``."""
-    if ZYGOTE.forks(args, env) and not popen.get("preexec_fn") and not popen.get("pass_fds"):
+    if ZYGOTE.forks(args, env) and set(popen) <= FORKED_OPTIONS:
         with contextlib.suppress(ZygoteRefused):
             return ZygotePopen(list(args), env=dict(env), **popen)
     return subprocess.Popen(list(args), env=dict(env), **popen)

@@ -133,10 +133,17 @@ REPLY_DRILL_FULL = {
 }
 
 
+def _reply_drill_sizes(seed: int, quick: bool) -> Any:
+    """The drill's sizes: the CI size (``--quick``) or the full one."""
+    from tests.support.reply_drill import DrillSizes
+
+    return DrillSizes(seed=seed) if quick else DrillSizes(seed=seed, **REPLY_DRILL_FULL)
+
+
 def reply_drill(repeats: int, quick: bool) -> list[dict[str, Any]]:
     """The lost-replies drill (tests/support/reply_drill.py), ``repeats`` seeds."""
     from tests.support.fleet import Processes
-    from tests.support.reply_drill import DrillSizes, run_reply_drill
+    from tests.support.reply_drill import run_reply_drill
     from tests.support.replydrop import ReplyDropProxy
     from tests.support.services import MotoServer, RedisServer
 
@@ -146,7 +153,7 @@ def reply_drill(repeats: int, quick: bool) -> list[dict[str, Any]]:
     runs = []
     for seed in range(repeats):
         workdir = Path(tempfile.mkdtemp(prefix="vlmq-reply-drill-"))
-        sizes = DrillSizes(seed=seed) if quick else DrillSizes(seed=seed, **REPLY_DRILL_FULL)
+        sizes = _reply_drill_sizes(seed, quick)
         redis, moto = RedisServer(workdir / "redis").start(), MotoServer().start()
         fleet = Processes(redis.url, moto, workdir)
         try:
@@ -273,7 +280,7 @@ def _prepare_table(runs: dict[str, list[dict[str, Any]]], command: str) -> str:
     return "\n".join(lines)
 
 
-def _drill_table(runs: list[dict[str, Any]], command: str) -> str:
+def _drill_table(runs: list[dict[str, Any]], command: str, batch_size: int) -> str:
     columns = [
         "commands",
         "replies_dropped",
@@ -289,7 +296,7 @@ def _drill_table(runs: list[dict[str, Any]], command: str) -> str:
         "writes lost (the command ran; its connection closed before the reply), on every "
         "connection of every process: `vlmq submit` (bulk and interactive lanes), the HTTP API "
         "(`POST /v1/tasks:batch`), the Python client (a job, and one cancelled while it runs), "
-        "two no-op workers (lease 3 s, batches of 4).",
+        f"two no-op workers (lease 3 s, batches of {batch_size}).",
         "",
         "| seed | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
         "| --- |" + " ---: |" * len(columns),
@@ -324,7 +331,8 @@ def main() -> None:
     if args.drill == "replies":
         runs = reply_drill(args.repeats, args.quick)
         command = f"python -m bench.faults --drill replies --repeats {args.repeats}"
-        table = _drill_table(runs, command + (" --quick" if args.quick else ""))
+        batch_size = _reply_drill_sizes(0, args.quick).batch_size
+        table = _drill_table(runs, command + (" --quick" if args.quick else ""), batch_size)
         print(table)
         if args.write:
             replace_section(Path(args.write), "reply-drill", table)

@@ -392,30 +392,29 @@ class ZygotePopen(subprocess.Popen):
         )
 
     def _reap(self) -> None:
-        self._handle_exitstatus(ZYGOTE.status(self.pid))  # type: ignore[attr-defined]
-        os.close(self._exited)
+        """Its exit status, once (the caller saw its pidfd readable)."""
+        with self._waitpid_lock:  # type: ignore[attr-defined]
+            if self.returncode is None:
+                self._handle_exitstatus(ZYGOTE.status(self.pid))  # type: ignore[attr-defined]
+                os.close(self._exited)
 
     def _internal_poll(self, _deadstate: Any = None, **_: Any) -> int | None:
         if self.returncode is None and select.select([self._exited], [], [], 0)[0]:
-            with self._waitpid_lock:  # type: ignore[attr-defined]
-                try:
-                    if self.returncode is None:
-                        self._reap()
-                except ChildProcessError:
-                    if _deadstate is None:  # (Popen's own clean-up passes one: it gives up)
-                        raise
-                    self.returncode = _deadstate
+            try:
+                self._reap()
+            except ChildProcessError:
+                if _deadstate is None:  # (Popen's own clean-up passes one: it gives up)
+                    raise
+                self.returncode = _deadstate
+                os.close(self._exited)
         return self.returncode
 
     def _wait(self, timeout: float | None) -> int:
-        if self.returncode is not None:
-            return self.returncode
-        if not select.select([self._exited], [], [], timeout)[0]:
-            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-        with self._waitpid_lock:  # type: ignore[attr-defined]
-            if self.returncode is None:
-                self._reap()
-        return self.returncode  # type: ignore[return-value]
+        if self.returncode is None:
+            if not select.select([self._exited], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+            self._reap()
+        return self.returncode
 
 
 def vlmq_process(args: Sequence[str], env: Mapping[str, str], **popen: Any) -> subprocess.Popen:

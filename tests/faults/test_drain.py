@@ -5,20 +5,8 @@ SIGKILL without drain: bench/drain.py, docs/reliability.md.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
 from tests.support.faults.drain import Standby, drill
 from tests.support.faults.harness import Harness
-from tests.support.services import MotoServer
-
-
-@pytest.fixture
-def harness(tmp_path: Path, moto_server: MotoServer) -> Iterator[Harness]:
-    with Harness(tmp_path, moto=moto_server) as h:
-        yield h
 
 
 def test_sigterm_hands_a_running_batch_to_an_idle_worker_at_once(harness: Harness) -> None:

@@ -5,13 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.support.faults import scenarios
-from tests.support.faults.harness import Harness
-
-
-@pytest.fixture
-def harness(tmp_path, moto_server):
-    with Harness(tmp_path, moto=moto_server) as h:
-        yield h
 
 
 @pytest.fixture(scope="module")

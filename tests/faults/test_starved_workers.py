@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from tests.support.faults.harness import Harness
-from tests.support.services import MotoServer, wait_until
+from tests.support.services import wait_until
 from vlmq.config.keys import Keys
 from vlmq.config.status import TERMINAL
 
@@ -24,12 +20,6 @@ TERMINAL_STATES = {s.value for s in TERMINAL}
 # Engine time per batch (the noop engine's delay) against the lease: a frozen run outlives it.
 LEASE_S = 3
 ENGINE_S = 5
-
-
-@pytest.fixture
-def harness(tmp_path: Path, moto_server: MotoServer) -> Iterator[Harness]:
-    with Harness(tmp_path, moto=moto_server) as h:
-        yield h
 
 
 def _running_on(h: Harness, task: str, worker: str) -> bool:

@@ -3,21 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.faults import worker_core
 from tests.support.faults.harness import Harness, faketime_library
-from tests.support.services import MotoServer
-
-
-@pytest.fixture
-def harness(tmp_path: Path, moto_server: MotoServer) -> Iterator[Harness]:
-    with Harness(tmp_path, moto=moto_server) as h:
-        yield h
 
 
 def _all_done_once(figures: dict[str, Any], tasks: int) -> None:

@@ -65,4 +65,18 @@ PY
 # stages need that vllm does not bring.
 "$BIN/pip" install -q -e . "av>=14" "pillow>=11" "xxhash>=3.4" "zstandard>=0.22"
 "$BIN/python" -c "import torchvision, vllm, vlmq; print('vllm', vllm.__version__, 'torch', __import__('torch').__version__)"
+# vLLM inspects a model class once per install, in a subprocess that imports vLLM again (~7 s
+# on 2 cores), and keeps what it learned per file hash (~/.cache/vllm/modelinfos): done here
+# for the three families, not inside the vLLM tier's first engine start.
+"$BIN/python" - <<'PY'
+from vllm.model_executor.models.registry import ModelRegistry
+
+for arch in (
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "InternVLForConditionalGeneration",
+):
+    if ModelRegistry._try_inspect_model_cls(arch) is None:
+        raise SystemExit(f"vLLM could not inspect {arch}")
+PY
 echo "$WANTED" > "$VENV/.installed"

@@ -49,8 +49,8 @@ FEATURES = (
         (
             Edit(
                 "dispatch.lua",
-                "if replay_key ~= '' then\n  local kept = keep",
-                "if false then\n  local kept = keep",
+                "if replay_key ~= '' then\n    local kept = keep",
+                "if false then\n    local kept = keep",
             ),
         ),
     ),

@@ -238,6 +238,11 @@ class Keys:
         return f"{self.prefix}:finished:{listener}"
 
     # calls -----------------------------------------------------------------
+    def libraries(self) -> str:
+        """When each version's Lua library was last loaded (vlmq/broker/scripts.py prunes
+        the stale ones by it)."""
+        return f"{self.prefix}:libraries"
+
     def call(self, call_id: str) -> str:
         """The reply a call that is not safe to repeat keeps for its retries
         (vlmq/broker/scripts.py)."""

@@ -133,7 +133,7 @@ def test_a_demoted_master_is_dropped_for_the_new_one(tmp_path, monkeypatch):
 @pytest.mark.private_redis
 def test_wait_reports_missing_replicas_without_failing(redis_server, caplog):
     """A lone master: WAIT 1 times out with 0 replicas; the script's reply still comes back,
-    the shortfall is reported. A script Redis lost (restart, failover) is loaded again."""
+    the shortfall is reported. A library Redis lost (restart, failover) is loaded again."""
     client = redis_server.connect()
     scripts = Scripts(client, Keys())
     bookkeeping = Keys().bookkeeping()
@@ -143,11 +143,11 @@ def test_wait_reports_missing_replicas_without_failing(redis_server, caplog):
     assert scripts("reap", bookkeeping, [10], wait=wait) == 0
     assert time.monotonic() - started >= 0.04 and short == [0]
     assert "not yet on 1 replica(s)" in caplog.text
-    client.script_flush()
+    client.function_flush()
     assert scripts("reap", bookkeeping, [10], wait=wait) == 0
     assert short == [0, 0]
-    # Each call met NOSCRIPT first (the script had not been loaded, then was flushed): its
-    # WAIT ran, the script was loaded, and the pair ran again.
+    # Each call met "Function not found" first (the library had not been loaded, then was
+    # flushed): its WAIT ran, the library was loaded, and the pair ran again.
     assert int(client.info("commandstats")["cmdstat_wait"]["calls"]) == 4
     assert scripts("reap", bookkeeping, [10], wait=wait) == 0
     assert int(client.info("commandstats")["cmdstat_wait"]["calls"]) == 5

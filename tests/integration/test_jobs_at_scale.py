@@ -187,6 +187,7 @@ def test_every_key_a_job_leaves_behind_expires_or_is_bounded(settings):
         keys.quota("default"),  # one per tenant
         keys.usage("default"),  # one per tenant, models x modalities x metrics fields
         keys.usage_tenants(),
+        keys.libraries(),  # one field per vlmq version used in the last week
     }
     unbounded = [
         k for k in client.redis.scan_iter("*") if k not in bounded and client.redis.ttl(k) == -1

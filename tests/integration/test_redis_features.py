@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from bench.redis_features import FEATURES, copy_without
-from vlmq.broker.scripts import LUA_FILES, source
+from vlmq.broker.scripts import LUA_FILES, library, source
 
 
 @pytest.fixture
@@ -27,4 +27,5 @@ def test_each_feature_comes_out_and_the_scripts_still_load(redis, feature, tmp_p
     for edit in feature.edits:
         assert edit.new in text
         assert edit.old not in text or edit.old in edit.new
-    assert redis.script_load("#!lua\n" + text)
+    name, code = library(text)
+    assert redis.execute_command("FUNCTION LOAD", code) == name

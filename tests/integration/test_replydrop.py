@@ -183,6 +183,22 @@ def test_script_rules_name_argv1_and_skip_noscript(
     assert proxy.script_counts["bump"] == 3  # the NOSCRIPT one, the dropped one, the retry
 
 
+def test_script_rules_match_fcall(redis_server: Any, proxy: ReplyDropProxy) -> None:
+    """vlmq calls its library's functions with FCALL (vlmq/broker/scripts.py): a script rule
+    matches those by ARGV[1] too."""
+    client = _through(proxy, redis_server)
+    name = f"t{os.urandom(6).hex()}"
+    body = "function(keys, args) return redis.call('INCR', keys[1]) end"
+    client.execute_command(
+        "FUNCTION LOAD", f"#!lua name={name}\nredis.register_function('{name}', {body})"
+    )
+    rule = proxy.add(Rule.script("bump"))
+    assert client.execute_command("FCALL", name, 1, "m", "bump") == 2  # dropped, then run again
+    assert client.execute_command("FCALL", name, 1, "m", "other") == 3
+    assert (rule.matched, rule.dropped) == (2, 1)
+    assert proxy.script_counts["bump"] == 2
+
+
 def test_dropping_by_chance_is_reproducible(redis_server: Any, proxy: ReplyDropProxy) -> None:
     def run(label: str, seed: int) -> tuple[int, list[int]]:
         rule = proxy.add(Rule.command("INCRBY", nth=None, probability=0.3, seed=seed, limit=4))

@@ -387,7 +387,7 @@ def test_an_idle_pull_runs_no_script_until_a_list_it_reads_has_a_message(setting
     for _ in range(5):
         idle = intake.pull(32, 60)
         assert idle.deliveries == [] and idle.now > 0
-    assert _calls(client, "evalsha") + _calls(client, "eval") == 0
+    assert _calls(client, "fcall") == 0
     assert _calls(client, "exists") == 5
     client.submit_many([_text(0)])  # a bulk job: its list hangs off the tenants' set
     assert len(intake.pull(32, 60).deliveries) == 1

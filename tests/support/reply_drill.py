@@ -116,6 +116,7 @@ def run_reply_drill(
 # reads would never see all its replies.)
 _WRITES = frozenset(
     {
+        b"FCALL",
         b"EVAL",
         b"EVALSHA",
         b"EXEC",

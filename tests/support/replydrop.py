@@ -22,7 +22,7 @@ matched: replies are no longer one per command, so from there on it is forwarded
 RESP3 push frames (``>``) are forwarded and never matched.
 
 >>> proxy = ReplyDropProxy(redis_port).up()
->>> settle = proxy.add(Rule.script("settle"))  # EVALSHA/EVAL whose ARGV[1] is 'settle'
+>>> settle = proxy.add(Rule.script("settle"))  # FCALL (or EVAL) whose ARGV[1] is 'settle'
 >>> env = {"VLMQ_REDIS_URL": proxy.url_for(redis_url)}
 >>> ...; settle.dropped  # 1 once the first settle's reply was lost
 """
@@ -54,7 +54,9 @@ __all__ = [
 
 Args = Sequence[bytes]
 
-_SCRIPT_COMMANDS = frozenset({b"EVAL", b"EVALSHA", b"EVAL_RO", b"EVALSHA_RO"})
+_SCRIPT_COMMANDS = frozenset(
+    {b"EVAL", b"EVALSHA", b"EVAL_RO", b"EVALSHA_RO", b"FCALL", b"FCALL_RO"}
+)
 # After these a connection's replies are no longer one per command.
 _PASSTHROUGH_AFTER = frozenset({b"SUBSCRIBE", b"PSUBSCRIBE", b"SSUBSCRIBE", b"MONITOR"})
 
@@ -176,7 +178,8 @@ def parse_command(frame: bytes) -> list[bytes]:
 
 
 def script_name(args: Args) -> str | None:
-    """ARGV[1] of an EVAL/EVALSHA (vlmq's scripts name their command there), or None."""
+    """ARGV[1] of an FCALL or EVAL/EVALSHA (vlmq's functions name their command there; all
+    three put the key count second), or None."""
     if not args or args[0].upper() not in _SCRIPT_COMMANDS or len(args) < 3:
         return None
     try:
@@ -232,8 +235,8 @@ class Rule:
 
     @classmethod
     def script(cls, command: str, **options: Any) -> Rule:
-        """Replies to EVAL/EVALSHA calls whose ARGV[1] is ``command`` (how vlmq's Scripts name
-        the command of scripts.lua they run: 'settle', 'pull', 'transition', ...)."""
+        """Replies to FCALL (or EVAL/EVALSHA) calls whose ARGV[1] is ``command`` (how vlmq's
+        Scripts name the command its library runs: 'settle', 'pull', 'transition', ...)."""
         return cls(f"script:{command}", lambda args: script_name(args) == command, **options)
 
     def applies(self, args: Args, block: Sequence[Args] | None) -> bool:

@@ -1,15 +1,25 @@
 """vlmq's Lua behind one dispatch: ``lua/`` holds one file per concern, this runs them.
 
 The files (intake and leases, jobs and feeds, tasks: moves and settle, tenants, events) are
-concatenated in a fixed order into one script, whose last part (``lua/dispatch.lua``) runs
-the command ARGV[1] names. The source is registered twice: with a plain ``#!lua`` shebang
-(refused, whole, while Redis is over ``maxmemory``: a pull or a status write never
-half-applies) and with ``flags=allow-oom`` for the commands that free memory or keep it level
-(settle, give back, reap, renew), so a full Redis still lets the fleet finish what it holds.
-Redis's own replies under ``maxmemory`` were measured: a script without a shebang runs until
-its first denied write and stops there (a pull could pop a message and lose it), and in a
-MULTI even an allow-oom script is refused, so the terminal transitions and the
-acknowledgements are one command (``settle``), not a transaction.
+concatenated in a fixed order into one Redis function library, whose last part
+(``lua/dispatch.lua``) runs the command ARGV[1] names. A library, not a script: EVALSHA runs a
+script's whole text each call (defining every function and table: ~177,000 instructions, more
+than a task's settle), FCALL calls a function the library defined once, at ``FUNCTION LOAD``.
+The library is named for its text (:func:`library`), so each version's functions are its own
+and two versions of vlmq share a Redis during a rolling update. It persists with Redis's data
+and reaches replicas as a write does; a Redis without it (new, restarted without persistence,
+flushed) answers "Function not found", and the call loads it and runs again (it did not run).
+A library takes ~300 KB of Redis memory, so versions do not pile up: each process records
+hourly that its version is in use (``Keys.libraries``), and one that loads a version deletes
+the vlmq libraries nobody used for :data:`STALE_LIBRARY_S`.
+
+Each command is registered twice: plain (refused, whole, while Redis is over ``maxmemory``: a
+pull or a status write never half-applies) and with ``flags=allow-oom`` for the commands that
+free memory or keep it level (settle, give back, reap, renew), so a full Redis still lets the
+fleet finish what it holds. Redis's own replies under ``maxmemory`` were measured: a script
+without a shebang runs until its first denied write and stops there (a pull could pop a
+message and lose it), and in a MULTI even an allow-oom script is refused, so the terminal
+transitions and the acknowledgements are one command (``settle``), not a transaction.
 
 **Every call is safe to repeat.** redis-py resends a command whose reply a connection reset
 lost (``vlmq/broker/connection.py``: the command ran, the reply did not arrive), and callers retry
@@ -23,7 +33,7 @@ own resend reuses the id (it resends the same arguments); a caller that retries 
 passes the same :class:`Call` again.
 
 A call may be followed by ``WAIT replicas timeout`` (:class:`Wait`; the worker's settle with
-``VLMQ_FLEET__SETTLE_WAIT_REPLICAS``): EVALSHA and WAIT go in one non-transactional pipeline, so
+``VLMQ_FLEET__SETTLE_WAIT_REPLICAS``): FCALL and WAIT go in one non-transactional pipeline, so
 on one connection, and WAIT counts the replicas that have this very call's writes. Fewer
 replicas than asked is logged and reported (``Wait.on_short``), never raised: the write is done
 on the master, only its copy is late.
@@ -31,25 +41,33 @@ on the master, only its copy is late.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from redis import Redis
-from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from vlmq.config.keys import Keys
 
-__all__ = ["ALLOW_OOM", "REPLAYED", "Call", "Scripts", "Wait"]
+__all__ = ["ALLOW_OOM", "REPLAYED", "Call", "Scripts", "Wait", "library"]
 
 log = logging.getLogger(__name__)
 
 # The concerns' files, in the order their definitions depend on each other.
 LUA_FILES = ("common", "tenants", "intake", "jobs", "tasks", "events", "dispatch")
+
+# Every vlmq library's name starts so (the rest: its text's digest).
+LIBRARY_PREFIX = "vlmq_"
+# A library that no process has used for this long is deleted when another version loads.
+STALE_LIBRARY_S = 7 * 24 * 3600
+# How often a process records that its library is in use (so it is never stale while used).
+IN_USE_EVERY_S = 3600
 
 # Commands that run while Redis is over maxmemory.
 ALLOW_OOM = frozenset(
@@ -99,6 +117,33 @@ def source() -> str:
     return "\n".join(lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in LUA_FILES)
 
 
+def library(text: str | None = None) -> tuple[str, str]:
+    """The library's name (``vlmq_`` and its text's digest) and its ``FUNCTION LOAD`` text:
+    the concerns' files (``text``: as given, else :func:`source`), then the registration of
+    its two functions, ``NAME`` and ``NAME_oom`` (lua/dispatch.lua)."""
+    text = source() if text is None else text
+    name = LIBRARY_PREFIX + hashlib.sha1(text.encode()).hexdigest()[:16]
+    return name, f"#!lua name={name}\n{text}\nregister('{name}')\n"
+
+
+def _library_names(listed: Any) -> list[str]:
+    """The names in ``FUNCTION LIST``'s reply (one flat field/value list per library, or a
+    map under RESP3)."""
+    names = []
+    for entry in listed:
+        fields = (
+            entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
+        )
+        name = fields.get("library_name", fields.get(b"library_name"))
+        names.append(name.decode() if isinstance(name, bytes) else str(name))
+    return names
+
+
+def _missing(error: Any) -> bool:
+    """Redis's answer to FCALL of a function it does not have (the call did not run)."""
+    return isinstance(error, ResponseError) and "function not found" in str(error).lower()
+
+
 class Call:
     """One logical call of a command that is not safe to repeat: its id names the reply the
     first run keeps. A caller that retries on its own (a settle after a timeout) passes the
@@ -122,35 +167,84 @@ class Wait:
 
 class Scripts:
     def __init__(self, redis: Redis, keys: Keys, replay_ttl_s: int = REPLAY_TTL_S) -> None:
-        text = source()
         self.redis = redis
         self.keys = keys
         self.replay_ttl_s = replay_ttl_s
-        self._guarded = redis.register_script("#!lua\n" + text)
-        self._oom_safe = redis.register_script("#!lua flags=allow-oom\n" + text)
+        self.name, self.code = library()
+        self._in_use_due = 0.0  # (monotonic) when to record the library in use next
 
     def __call__(
         self,
         command: str,
         keys: Sequence[str],
         args: Sequence[Any],
-        pipe: Any = None,
         wait: Wait | None = None,
         call: Call | None = None,
     ) -> Any:
         """Run ``command``; one not safe to repeat gets a call id (``call``'s, else a new one)."""
-        script = self._oom_safe if command in ALLOW_OOM else self._guarded
-        argv = [command, *args, *self._replay(command, call)]
-        if wait is not None and wait.replicas > 0 and pipe is None:
-            return self._then_wait(script, keys, argv, wait)
-        if pipe is not None:
-            return script(keys=list(keys), args=argv, client=pipe)
+        if time.monotonic() >= self._in_use_due:
+            self._record_in_use()
+        function = f"{self.name}_oom" if command in ALLOW_OOM else self.name
+        argv = [function, len(keys), *keys, command, *args, *self._replay(command, call)]
+        if wait is not None and wait.replicas > 0:
+            return self._then_wait(argv, wait)
         try:
-            return script(keys=list(keys), args=argv, client=self.redis)
-        except NoScriptError:
-            # The node changed between redis-py's load and its second EVALSHA (a failover: a
-            # retry reached the new master, which has no scripts); the script did not run.
-            return script(keys=list(keys), args=argv, client=self.redis)
+            return self.redis.execute_command("FCALL", *argv)
+        except ResponseError as error:
+            if not _missing(error):
+                raise
+        self.load()
+        return self.redis.execute_command("FCALL", *argv)
+
+    def load(self) -> None:
+        """Loads this version's library into Redis (another process may have just done so),
+        then deletes the vlmq libraries that are stale (:meth:`_prune`)."""
+        try:
+            self.redis.execute_command("FUNCTION LOAD", self.code)
+        except ResponseError as error:
+            if "already exists" not in str(error):
+                raise
+        self._prune()
+
+    def _record_in_use(self) -> None:
+        """Records, at most once an hour, that this library is in use: a process that runs
+        for weeks keeps its version from being pruned under it (a full Redis refuses a
+        ``FUNCTION LOAD``, so a library pruned then could not be loaded again until memory
+        frees). Refused (a full Redis), it is tried again in a minute."""
+        try:
+            now = int(self.redis.time()[0])
+            self.redis.hset(self.keys.libraries(), self.name, now)
+        except ResponseError:
+            self._in_use_due = time.monotonic() + 60
+            return
+        self._in_use_due = time.monotonic() + IN_USE_EVERY_S
+
+    def _prune(self) -> None:
+        """Deletes the vlmq libraries, other than this one, that no process used for
+        :data:`STALE_LIBRARY_S`. ``Keys.libraries`` holds when each was last recorded in use
+        (:meth:`_record_in_use`, hourly) or first seen here; a process of a pruned version
+        (one stopped for a week, then started again) loads it again at its next call."""
+        registry = self.keys.libraries()
+        now = int(self.redis.time()[0])
+        self.redis.hset(registry, self.name, now)
+        loaded = {name: int(seen) for name, seen in self.redis.hgetall(registry).items()}
+        present = set(
+            _library_names(
+                self.redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARY_PREFIX + "*")
+            )
+        )
+        for name in present - {self.name}:
+            if name not in loaded:
+                self.redis.hsetnx(registry, name, now)
+            elif now - loaded[name] > STALE_LIBRARY_S:
+                self.redis.execute_command("FUNCTION DELETE", name)
+                self.redis.hdel(registry, name)
+                log.info(
+                    "deleted the vlmq library %s (not used for %d s)", name, now - loaded[name]
+                )
+        gone = set(loaded) - present - {self.name}
+        if gone:
+            self.redis.hdel(registry, *gone)
 
     def _replay(self, command: str, call: Call | None) -> list[Any]:
         """The dispatch's own two arguments: the call's replay key and its ttl."""
@@ -158,22 +252,22 @@ class Scripts:
             return ["", 0]
         return [self.keys.call((call or Call()).id), self.replay_ttl_s]
 
-    def _then_wait(self, script: Script, keys: Sequence[str], argv: list[Any], wait: Wait) -> Any:
-        """The script, then WAIT, on one connection (a pipeline without MULTI: in a MULTI an
-        allow-oom script is refused under maxmemory, and WAIT is pointless)."""
+    def _then_wait(self, argv: list[Any], wait: Wait) -> Any:
+        """The call, then WAIT, on one connection (a pipeline without MULTI: in a MULTI an
+        allow-oom function is refused under maxmemory, and WAIT is pointless)."""
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.evalsha(script.sha, len(keys), *keys, *argv)
+            pipe.execute_command("FCALL", *argv)
             pipe.execute_command("WAIT", wait.replicas, wait.timeout_ms)
             reply, acked = pipe.execute(raise_on_error=False)
-            if isinstance(reply, NoScriptError) and attempt == 1:
-                # A Redis that restarted or failed over to a replica that never loaded it;
-                # the script did not run, so loading it and running it again is safe.
-                self.redis.script_load(script.script)
+            if attempt == 1 and _missing(reply):
+                # A Redis that restarted or failed over to a replica that never had it; the
+                # call did not run, so loading the library and running it again is safe.
+                self.load()
                 continue
             if isinstance(reply, Exception):
                 raise reply
-            self._check_wait(str(argv[0]), acked, wait)
+            self._check_wait(str(argv[2 + argv[1]]), acked, wait)
             return reply
         raise AssertionError("unreachable")  # pragma: no cover
 

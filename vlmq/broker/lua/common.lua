@@ -1,11 +1,11 @@
 -- uses nothing from the other files
--- vlmq's Redis scripts: one source made of one file per concern, run through one dispatch
--- (vlmq/broker/scripts.py concatenates them in this order: common, tenants, intake, jobs, tasks,
--- events, dispatch). ARGV[1] names the command; the rest of ARGV and KEYS are the command's
--- own (documented above each one). Loaded twice, once refused under maxmemory and once with
--- allow-oom (the commands that settle, give back or renew work must run when Redis is full, or
--- a full fleet could never drain); a script with a shebang is refused or run whole, never
--- half-applied.
+-- vlmq's Redis scripts: one function library made of one file per concern, whose functions
+-- run through one dispatch (vlmq/broker/scripts.py concatenates the files in this order:
+-- common, tenants, intake, jobs, tasks, events, dispatch, and loads them with FUNCTION LOAD).
+-- ARGV[1] names the command; the rest of ARGV and KEYS are the command's own (documented above
+-- each one). Registered twice, once refused under maxmemory and once with allow-oom (the
+-- commands that settle, give back or renew work must run when Redis is full, or a full fleet
+-- could never drain); a function is refused or run whole, never half-applied.
 --
 -- Rules: every key arrives in KEYS; a key learned while running (the hash of a task just
 -- pulled, a task's job) is a prefix from Keys (ARGV) plus the id. Time is Redis's own (now()),
@@ -14,6 +14,13 @@
 -- is no longer the count was superseded and every fenced write of it is refused. A command
 -- that is not safe to repeat is called with a call id (dispatch.lua): a retry of the same
 -- call answers what the first run answered and changes nothing.
+--
+-- A library, not a script: Redis runs a script's whole text at each EVALSHA (defining every
+-- function and table below: ~177,000 instructions a call, measured), a library's once, at
+-- FUNCTION LOAD. Its top level therefore runs where only `redis` is reachable (no string,
+-- table or cjson: those are for the functions' bodies). KEYS and ARGV are the current call's
+-- (dispatch.lua sets them), as they are a script's.
+local KEYS, ARGV
 
 local function now()
   local t = redis.call('TIME')
@@ -67,7 +74,9 @@ end
 -- is kept wide whatever its size: when it is compact (new, or reloaded small after a restart)
 -- a long anchor entry is added, which converts it (Redis never converts it back while it
 -- lives), and taken out again before the script ends (unanchor). No task id has a ':'.
-local WIDE_ANCHOR = 'vlmq:wide:' .. string.rep('-', 90)
+-- (90 dashes, spelled out: string.rep is not reachable at a library's load)
+local WIDE_ANCHOR = 'vlmq:wide:' .. '---------------------------------------------'
+  .. '---------------------------------------------'
 local COMPACT = {listpack = true, ziplist = true}
 
 -- Widens each of `keys` (kind: 'hash' | 'zset') that is compact or absent; returns the

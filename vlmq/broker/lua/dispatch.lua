@@ -19,19 +19,39 @@ local function answer(name, kept)
   return cjson.decode(kept)
 end
 
-local replay_ttl = ARGV[#ARGV]  -- seconds, as ARGV has them
-ARGV[#ARGV] = nil
-local replay_key = ARGV[#ARGV]
-ARGV[#ARGV] = nil
-local name = ARGV[1]
-if replay_key ~= '' then
-  local kept = redis.call('GET', replay_key)
-  if kept then return answer(name, kept) end
+local function run()
+  local replay_ttl = ARGV[#ARGV]  -- seconds, as ARGV has them
+  ARGV[#ARGV] = nil
+  local replay_key = ARGV[#ARGV]
+  ARGV[#ARGV] = nil
+  local name = ARGV[1]
+  if replay_key ~= '' then
+    local kept = redis.call('GET', replay_key)
+    if kept then return answer(name, kept) end
+  end
+  local reply = commands[name]()
+  if replay_key ~= '' then
+    local kept = keep(name, reply)
+    -- (nil: the call changed nothing, and a retry may simply run it again)
+    if kept then redis.call('SET', replay_key, kept, 'EX', replay_ttl) end
+  end
+  return reply
 end
-local reply = commands[name]()
-if replay_key ~= '' then
-  local kept = keep(name, reply)
-  -- (nil: the call changed nothing, and a retry may simply run it again)
-  if kept then redis.call('SET', replay_key, kept, 'EX', replay_ttl) end
+
+-- A call of either function: KEYS and ARGV (common.lua) are this call's while it runs, and
+-- let go after it (a feed's ARGV holds its chunk of messages).
+local function dispatch(keys, args)
+  KEYS, ARGV = keys, args
+  local reply = run()
+  KEYS, ARGV = nil, nil
+  return reply
 end
-return reply
+
+-- The library's two functions (vlmq/broker/scripts.py names them, LIBRARY_NAME: the library
+-- is named for its text, so every version's functions are its own): `NAME`, refused whole
+-- while Redis is over maxmemory, and `NAME_oom`, for the commands that must run then.
+local function register(name)
+  redis.register_function{function_name = name, callback = dispatch}
+  redis.register_function{function_name = name .. '_oom', callback = dispatch,
+                          flags = {'allow-oom'}}
+end

@@ -491,8 +491,8 @@ def _command_rows(report: Report, consumers: Sequence[str]) -> list[str]:
     each command's time (a script's includes what it calls)."""
     lines = [
         f"Where the drain's Redis time goes (`INFO commandstats`, the {report.plan.commands} "
-        "costliest commands; EVALSHA's time includes the commands its scripts call, listed "
-        "again on their own; medians of the rounds):",
+        "costliest commands; a Lua call's time (FCALL, EVALSHA) includes the commands it "
+        "calls, listed again on their own; medians of the rounds):",
         "",
         "| consumer | workers | command | calls/task | us/task | us/call |",
         "| --- | ---: | --- | ---: | ---: | ---: |",

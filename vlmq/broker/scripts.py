@@ -126,17 +126,10 @@ def library(text: str | None = None) -> tuple[str, str]:
     return name, f"#!lua name={name}\n{text}\nregister('{name}')\n"
 
 
-def _library_names(listed: Any) -> list[str]:
-    """The names in ``FUNCTION LIST``'s reply (one flat field/value list per library, or a
-    map under RESP3)."""
-    names = []
-    for entry in listed:
-        fields = (
-            entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
-        )
-        name = fields.get("library_name", fields.get(b"library_name"))
-        names.append(name.decode() if isinstance(name, bytes) else str(name))
-    return names
+def _library_names(listed: Any) -> set[str]:
+    """The names in ``FUNCTION LIST``'s reply: one flat field/value list per library (RESP2,
+    decoded: how create_redis connects)."""
+    return {dict(zip(entry[::2], entry[1::2], strict=True))["library_name"] for entry in listed}
 
 
 def _missing(error: Any) -> bool:
@@ -187,7 +180,7 @@ class Scripts:
         function = f"{self.name}_oom" if command in ALLOW_OOM else self.name
         argv = [function, len(keys), *keys, command, *args, *self._replay(command, call)]
         if wait is not None and wait.replicas > 0:
-            return self._then_wait(argv, wait)
+            return self._then_wait(command, argv, wait)
         try:
             return self.redis.execute_command("FCALL", *argv)
         except ResponseError as error:
@@ -222,16 +215,14 @@ class Scripts:
     def _prune(self) -> None:
         """Deletes the vlmq libraries, other than this one, that no process used for
         :data:`STALE_LIBRARY_S`. ``Keys.libraries`` holds when each was last recorded in use
-        (:meth:`_record_in_use`, hourly) or first seen here; a process of a pruned version
-        (one stopped for a week, then started again) loads it again at its next call."""
+        (:meth:`_record_in_use`, hourly, this process's own at its first call) or first seen
+        here; a process of a pruned version (one stopped for a week, then started again)
+        loads it again at its next call."""
         registry = self.keys.libraries()
         now = int(self.redis.time()[0])
-        self.redis.hset(registry, self.name, now)
         loaded = {name: int(seen) for name, seen in self.redis.hgetall(registry).items()}
-        present = set(
-            _library_names(
-                self.redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARY_PREFIX + "*")
-            )
+        present = _library_names(
+            self.redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARY_PREFIX + "*")
         )
         for name in present - {self.name}:
             if name not in loaded:
@@ -252,7 +243,7 @@ class Scripts:
             return ["", 0]
         return [self.keys.call((call or Call()).id), self.replay_ttl_s]
 
-    def _then_wait(self, argv: list[Any], wait: Wait) -> Any:
+    def _then_wait(self, command: str, argv: list[Any], wait: Wait) -> Any:
         """The call, then WAIT, on one connection (a pipeline without MULTI: in a MULTI an
         allow-oom function is refused under maxmemory, and WAIT is pointless)."""
         for attempt in (1, 2):
@@ -267,7 +258,7 @@ class Scripts:
                 continue
             if isinstance(reply, Exception):
                 raise reply
-            self._check_wait(str(argv[2 + argv[1]]), acked, wait)
+            self._check_wait(command, acked, wait)
             return reply
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -47,9 +47,9 @@ local function dispatch(keys, args)
   return reply
 end
 
--- The library's two functions (vlmq/broker/scripts.py names them, LIBRARY_NAME: the library
--- is named for its text, so every version's functions are its own): `NAME`, refused whole
--- while Redis is over maxmemory, and `NAME_oom`, for the commands that must run then.
+-- The library's two functions (vlmq/broker/scripts.py `library` names them for the library's
+-- text, so every version's functions are its own): `NAME`, refused whole while Redis is over
+-- maxmemory, and `NAME_oom`, for the commands that must run then.
 local function register(name)
   redis.register_function{function_name = name, callback = dispatch}
   redis.register_function{function_name = name .. '_oom', callback = dispatch,

@@ -112,7 +112,8 @@ FEATURES = (
         (
             Edit(
                 "jobs.lua",
-                "  redis.call('HSET', key, unpack(args, 1, n))\n  redis.call('EXPIRE', key, ttl)\n",
+                "  redis.call('HSET', key, unpack(args, 1, n))\n"
+                "  redis.call('PEXPIREAT', key, common.expire_at)\n",
                 "  redis.call('HSET', key, unpack(args, 1, n))\n",
             ),
         ),

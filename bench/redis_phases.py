@@ -47,6 +47,14 @@ from vlmq.config.usage import TaskUsage
 from vlmq.producers.bulk import submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.localredis import LocalRedis
+try:
+    from vlmq.broker.state.tasks import start_move as _start_move
+    def start_move(d, modality):
+        return _start_move(d.task_id, d.token, "w@host:1", modality, d.status)
+except ImportError:  # a tree from before start_move: its worker wrote worker and modality
+    def start_move(d, modality):
+        fields = {"worker": "w@host:1", "modality": modality}
+        return Move(d.task_id, TaskState.RUNNING, fields, d.token, "started_at", True)
 
 tasks, batch, how, counting = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 
@@ -103,11 +111,7 @@ with tempfile.TemporaryDirectory() as tmp:
         phase("renew")
         for ds in pulls:
             redis.time()  # as the worker's start reads Redis's clock first
-            fields = {"worker": "w@host:1", "modality": "text"}
-            starts = [
-                Move(d.task_id, TaskState.RUNNING, fields, d.token, "started_at", True) for d in ds
-            ]
-            state.tasks.start(starts)
+            state.tasks.start([start_move(d, "text") for d in ds])
         phase("start")
         for ds in pulls:
             moves = [

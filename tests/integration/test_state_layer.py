@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from vlmq.broker.scripts import REPLAYED, Call
-from vlmq.broker.state.tasks import Move
+from vlmq.broker.state.tasks import Move, start_move
 from vlmq.config.ids import message_tag
 from vlmq.config.keys import Keys
 from vlmq.config.settings import Settings
@@ -439,3 +439,59 @@ def test_a_settle_writes_no_field_it_has_no_value_for(settings):
     status = client.state.tasks.get(d.task_id)
     assert status["state"] == "succeeded" and status["batch_id"] == "b"
     assert "error_code" not in status and "error_message" not in status
+
+
+# what a start and a settle write and read --------------------------------------------------
+
+
+def test_a_start_gives_a_modality_only_to_a_task_that_came_without_one(settings):
+    """A producer's task was given its modality when its hash was made; a message any Celery
+    producer sent has no hash before its pull, and its start writes the modality."""
+    client = Client(settings)
+    made = client.submit(_text(0))
+    _push(client, encode_message(_body({"messages": _text(1)}), "plain-id", "vlmq.text"))
+    deliveries = client.state.intake("text").pull(10, 60).deliveries
+    moves = {d.task_id: start_move(d.task_id, d.token, "w", "text", d.status) for d in deliveries}
+    assert dict(moves[made].fields) == {"worker": "w"}
+    assert dict(moves["plain-id"].fields) == {"worker": "w", "modality": "text"}
+    assert all(r.moved for r in client.state.tasks.start(list(moves.values())))
+    for task_id in (made, "plain-id"):
+        status = client.state.tasks.get(task_id)
+        assert (status["state"], status["modality"], status["worker"]) == ("running", "text", "w")
+
+
+def test_a_settle_from_queued_takes_a_single_task_out_of_its_tenants_count(settings):
+    """A settle reads a task's quota only for a move from or to queued (a task failed at its
+    pull, before it started): its count still leaves the tenant's."""
+    client = Client(settings)
+    task_id = client.submit(_text(0))
+    assert client.state.tenants.queued(client.tenant).tasks == 1
+    (d,) = client.state.intake("text").pull(1, 60).deliveries
+    fields = {"worker": "w", "error_code": "invalid_request", "error_message": "bad"}
+    client.state.tasks.settle([Move(d.task_id, TaskState.FAILED, fields, d.token, "finished_at")])
+    assert client.state.tasks.get(task_id)["state"] == "failed"
+    assert client.state.tenants.queued(client.tenant).tasks == 0
+
+
+def test_a_fed_task_folded_without_a_result_keeps_its_custom_id(settings):
+    client = Client(settings)
+    submit_jsonl(client, _lines(2), "folding")
+    deliveries = _start(client)
+    failed, stored = sorted(deliveries, key=lambda d: d.task_id)
+    moves = [
+        Move(failed.task_id, TaskState.FAILED, {"error_code": "e"}, failed.token, "finished_at"),
+        Move(
+            stored.task_id,
+            TaskState.SUCCEEDED,
+            {"result_url": "file:///r"},
+            stored.token,
+            "finished_at",
+        ),
+    ]
+    client.state.tasks.settle(moves)
+    assert not client.redis.exists(KEYS.task(failed.task_id), KEYS.task(stored.task_id))
+    lost = client.state.tasks.get(failed.task_id)
+    kept = client.state.tasks.get(stored.task_id)
+    assert (lost["state"], lost["folded"], lost.get("deliveries")) == ("failed", "1", None)
+    assert lost["custom_id"] in {"c0", "c1"}
+    assert (kept["state"], kept["deliveries"], kept.get("custom_id")) == ("succeeded", "1", None)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from vlmq.broker.state import State
 from vlmq.broker.state.intake import Delivery, Pull
-from vlmq.broker.state.tasks import ENDED, Move
+from vlmq.broker.state.tasks import ENDED, Move, start_move
 from vlmq.config.errors import DeadLettered, Expired, InvalidRequest, PermanentError
 from vlmq.config.jsonl import describe_validation_error
 from vlmq.config.schemas import Request
@@ -258,8 +258,9 @@ class Triage:
 
     def _start_move(self, item: Work) -> Move:
         assert item.request is not None
-        fields = {"worker": self.worker, "modality": item.request.modality.value}
-        return Move(item.task_id, TaskState.RUNNING, fields, item.token, "started_at", True)
+        return start_move(
+            item.task_id, item.token, self.worker, item.request.modality.value, item.status
+        )
 
 
 def _stored_settlement(item: Work, stored: Stored) -> Settlement | None:

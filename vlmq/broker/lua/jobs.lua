@@ -143,16 +143,18 @@ end
 
 -- A new queued task's hash: its status fields (values '' are left unset; 'tag' among them,
 -- the message's: intake.lua, identity) on Redis's clock (created when queued: queued_at says
--- both, stamp(t) of the call; each field costs the listpack a scan), and its ttl (`ttl`,
--- seconds as ARGV has them). `shared`: the pairs every task of the call has (read_names).
+-- both, stamp(t) of the call; each field costs the listpack a scan), and its ttl, `ttl`
+-- seconds from `t`. `shared`: the pairs every task of the call has (read_names).
 -- A call's tasks share one argument table, their common part written once (task_args): a
--- table made and grown per task cost a feed ~10,000 instructions a task.
-local function task_args(ts, shared)
-  local args = {'state', 'queued', 'queued_at', ts, unpack(shared)}
-  return {args = args, fixed = #args}
+-- table made and grown per task cost a feed ~10,000 instructions a task. The ttl is one
+-- absolute time per call (PEXPIREAT, which the AOF copies as it is: it turns a relative
+-- EXPIRE into one, per task).
+local function task_args(t, ttl, shared)
+  local args = {'state', 'queued', 'queued_at', stamp(t), unpack(shared)}
+  return {args = args, fixed = #args, expire_at = string.format('%d', (t + ttl) * 1000)}
 end
 
-local function create_task(key, names, at, ttl, common)
+local function create_task(key, names, at, common)
   local args, n = common.args, common.fixed
   for j = 1, #names do
     local value = ARGV[at + j - 1]
@@ -161,7 +163,7 @@ local function create_task(key, names, at, ttl, common)
     end
   end
   redis.call('HSET', key, unpack(args, 1, n))
-  redis.call('EXPIRE', key, ttl)
+  redis.call('PEXPIREAT', key, common.expire_at)
 end
 
 -- submit: tasks of a job whose ids are the caller's (Client.submit_many), all or nothing: each
@@ -179,11 +181,11 @@ function commands.submit()
   local pairs_n = tonumber(ARGV[7])
   local names, shared, at = read_names(9)
   local first_task, pushed, ids, tokens = 5 + 2 * pairs_n, {}, {}, 0
-  local common = task_args(stamp(t), shared)
+  local common = task_args(t, ttl, shared)
   local est_at = field_index(names, 'est')
   for i = first_task, #KEYS do
     local pair = tonumber(ARGV[at])
-    create_task(KEYS[i], names, at + 1, ARGV[3], common)
+    create_task(KEYS[i], names, at + 1, common)
     if est_at then tokens = tokens + (tonumber(ARGV[at + est_at]) or 0) end
     push(pair, ARGV[at + 1 + #names], pushed)
     ids[#ids + 1] = string.sub(KEYS[i], #prefix + 1)
@@ -215,10 +217,10 @@ function commands.enqueue()
   local first_task = 2 + lists_n + 2 * jobs_n
   local est_at = field_index(names, 'est')
   local pushed, listed, counted, tokens = {}, {}, {}, 0
-  local common = task_args(stamp(t), shared)
+  local common = task_args(t, ttl, shared)
   for i = first_task, #KEYS do
     local list, pair = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
-    create_task(KEYS[i], names, at + 2, ARGV[2], common)
+    create_task(KEYS[i], names, at + 2, common)
     if est_at then tokens = tokens + (tonumber(ARGV[at + 1 + est_at]) or 0) end
     local messages = pushed[list] or {}
     messages[#messages + 1] = ARGV[at + 2 + #names]
@@ -357,7 +359,7 @@ function commands.feed()
   local first_task, codes, pushed, dropped = 7 + 2 * pairs_n, {}, {}, 0
   local claimed, new_claims = {}, {}  -- claims this chunk makes, written in one call
   local fed, fed_bytes = 0, 0  -- messages pushed and their bytes (the feeder's byte window)
-  local common, wanted = task_args(stamp(t), shared), {}
+  local common, wanted = task_args(t, ttl, shared), {}
   -- Every line's claim record as it was before this chunk, read in one call.
   for i = first_task, #KEYS do wanted[#wanted + 1] = ARGV[at + (i - first_task) * (3 + #names)] end
   local records = read_many('HMGET', claims, wanted)
@@ -380,7 +382,7 @@ function commands.feed()
       claimed[claim] = true
       new_claims[#new_claims + 1] = claim
       new_claims[#new_claims + 1] = sub
-      create_task(KEYS[i], names, at + 2, ARGV[3], common)
+      create_task(KEYS[i], names, at + 2, common)
       push(pair, ARGV[at + 2 + #names], pushed)
       fed, fed_bytes = fed + 1, fed_bytes + #ARGV[at + 2 + #names]
     else

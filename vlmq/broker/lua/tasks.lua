@@ -84,15 +84,18 @@ local FOLDED = {succeeded = 'S', failed = 'F', cancelled = 'C', expired = 'E'}
 local FOLDED_STATE = {S = 'succeeded', F = 'failed', C = 'cancelled', E = 'expired'}
 
 -- The task hash fields a move reads, once (fenced_move), and their places in what it read:
--- what every move needs, then what an end needs, then what an attempt needs. A call reads
--- only what its moves need (fields_read): each field read costs a script ~2,400
--- instructions (measured: an HMGET of 11 fields against one of 8). A call that ends no task
--- (a start) reads START_FIELDS, the attempt's two right after what every move needs; where
--- an attempt's fields are is the call's (ctx.attempts_at). A task's 'est' is read only when
--- it counts in a quota of its own (move).
-local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'quota', 'claim', 'custom_id', 'tenant',
-                     'notify', 'attempts', 'started'}
-local STATE, DELIVERIES, JOB, QUOTA, CLAIM, CUSTOM_ID, TENANT, NOTIFY = 1, 2, 3, 4, 5, 6, 7, 8
+-- what every move needs, then what an end needs, then the quota, then what an attempt needs.
+-- A call reads only what its moves need (fields_read): each field read costs a script
+-- ~2,400 instructions (measured: an HMGET of 11 fields against one of 8). A call that ends no
+-- task (a start) reads START_FIELDS, its quota and the attempt's two right after what every
+-- move needs; where the quota and an attempt's fields are is the call's (ctx.quota_at,
+-- ctx.attempts_at). A settle does not read the quota with the rest: only a move from or to
+-- 'queued' needs it, and a settle's moves almost never are one (move reads it then). A
+-- task's 'est' is read only when it counts in a quota of its own (move), its 'custom_id'
+-- only when it is folded without a result object (fold).
+local MOVE_FIELDS = {'state', 'deliveries', 'job_id', 'claim', 'tenant', 'notify', 'quota',
+                     'attempts', 'started'}
+local STATE, DELIVERIES, JOB, CLAIM, TENANT, NOTIFY = 1, 2, 3, 4, 5, 6
 local START_FIELDS = {'state', 'deliveries', 'job_id', 'quota', 'attempts', 'started'}
 
 -- A call's folds are written at its end (write_folds): per job one HMGET and one HSET of its
@@ -100,8 +103,8 @@ local START_FIELDS = {'state', 'deliveries', 'job_id', 'quota', 'attempts', 'sta
 -- claims key -> {claims, tails}, `order` (first-seen), `keys` (hashes to delete, a set too).
 local function new_folds() return {of = {}, order = {}, keys = {}, deleting = {}} end
 
-local function fold(key, h, m, jobkey, folds)
-  local claims = jobkey .. ':custom_ids'
+-- `claims`: the job's claims key (Keys.job_claims).
+local function fold(key, h, m, claims, folds)
   local pending = folds.of[claims]
   if not pending then
     pending = {claims = {}, tails = {}}
@@ -112,7 +115,7 @@ local function fold(key, h, m, jobkey, folds)
   if m.tpl.stored or m.stored then
     tail = tail .. h[DELIVERIES]
   else
-    tail = tail .. ' ' .. (h[CUSTOM_ID] or '')
+    tail = tail .. ' ' .. (redis.call('HGET', key, 'custom_id') or '')
   end
   pending.claims[#pending.claims + 1] = h[CLAIM]
   pending.tails[#pending.tails + 1] = tail
@@ -170,6 +173,24 @@ local function count_after(text)
   return COUNT_AFTER[text or '0'] or tostring((tonumber(text) or 0) + 1)
 end
 
+-- A job's claims key, made once per call and job (ctx.claims).
+local function claims_key(ctx, job)
+  local claims = ctx.claims[job]
+  if not claims then
+    claims = ctx.jobs .. job .. ':custom_ids'
+    ctx.claims[job] = claims
+  end
+  return claims
+end
+
+-- The task's quota (its 'quota' field: it counts in a quota of its own), where the move needs
+-- it: from what the call read, else read now (a settle's rare move from or to 'queued').
+local function task_quota(key, h, ctx, current, new)
+  if ctx.quota_at then return h[ctx.quota_at] end
+  if current ~= 'queued' and new ~= 'queued' then return nil end
+  return redis.call('HGET', key, 'quota')  -- (its hash is still there: folds come last)
+end
+
 -- One task's move (`m`: read_move): its template's allowed from-states; the template's
 -- `stampf` (if not '') gets Redis's time (`ctx.ts`, formatted once per call); the job's
 -- counters change in `tally`. `h`: the fields the call reads (fields_read), read once by
@@ -184,12 +205,14 @@ local function move(key, id, m, h, ctx, tally)
   if not tpl.allowed[current] then return current, 0 end
   local job, new = h[JOB], tpl.new
   local in_job = job and job ~= ''
+  local quota = task_quota(key, h, ctx, current, new)
   if in_job and FOLDED[new] and h[CLAIM] then
-    fold(key, h, m, ctx.jobs .. job, ctx.folds)  -- its hash goes: no point writing it
+    fold(key, h, m, claims_key(ctx, job), ctx.folds)  -- its hash goes: no point writing it
   else
-    local args, shared, own = ctx.args, tpl.fields, m.fields
-    local n = #shared
-    for j = 1, n do args[j] = shared[j] end
+    -- (the template's shared pairs are in its own argument table already: only the move's own
+    -- pairs and what follows are written into it, per task)
+    local args, own = tpl.args, m.fields
+    local n = tpl.shared
     for j = 1, #own do args[n + j] = own[j] end
     n = n + #own
     if tpl.stampf ~= '' then args[n + 1], args[n + 2], n = tpl.stampf, ctx.ts, n + 2 end
@@ -200,12 +223,12 @@ local function move(key, id, m, h, ctx, tally)
     args[n + 1], args[n + 2] = 'state', new
     redis.call('HSET', key, unpack(args, 1, n + 2))
   end
-  if current == 'queued' and new ~= 'queued' and h[QUOTA] then
+  if current == 'queued' and new ~= 'queued' and quota then
     local est = redis.call('HGET', key, 'est')  -- (its hash is still there: folds come last)
-    quota_add(h[QUOTA], -1, -(tonumber(est or '0') or 0))  -- it counted in a quota of its own
+    quota_add(quota, -1, -(tonumber(est or '0') or 0))  -- it counted in a quota of its own
   end
   if in_job and current ~= new then
-    count_move(tally, job, current, new, h[QUOTA] and true or false)
+    count_move(tally, job, current, new, quota and true or false)
   end
   if in_job and FOLDED[new] and not FOLDED[current] then count_finished(tally, job, id) end
   return current, 1
@@ -222,42 +245,48 @@ local function read_templates(at)
     local k = tonumber(ARGV[at + 4])
     local fields = read_fields(at + 5, k)
     -- (keyed by the number's text, as each move names it: no number parsed per move)
+    -- (`args`: the HSET arguments of its moves, its shared pairs first, reused per task)
     templates[tostring(i)] = {new = ARGV[at], allowed = allowed_set(ARGV[at + 1]),
                               stampf = ARGV[at + 2], attempt = ARGV[at + 3] == '1',
-                              fields = fields, stored = stores(fields)}
+                              args = {unpack(fields)}, shared = #fields,
+                              stored = stores(fields)}
     at = at + 5 + 2 * k
   end
   return templates, at
 end
 
--- The fields a call's moves read (`ends`: read what an end needs whatever the moves are), as
--- the list, how many of it, and where the attempt's fields are (nil: not read; in either
--- list they are the last two).
-local function fields_read(templates, ends)
-  local attempts = false
+-- The fields a call's moves read (`settle`: a settle's, which reads what an end needs whatever
+-- the moves are, and the quota only where a move needs it), as the list, how many of it, and
+-- where the attempt's fields and the quota are (nil: not read; in either list the attempt's
+-- are the last two, the quota right before them).
+local function fields_read(templates, settle)
+  local ends, attempts = settle, false
   for _, tpl in pairs(templates) do
     ends = ends or FOLDED[tpl.new] ~= nil
     attempts = attempts or tpl.attempt
   end
-  if not ends then return START_FIELDS, #START_FIELDS, #START_FIELDS - 1 end
-  if attempts then return MOVE_FIELDS, #MOVE_FIELDS, #MOVE_FIELDS - 1 end
-  return MOVE_FIELDS, NOTIFY, nil
+  local all = #MOVE_FIELDS
+  if not ends then return START_FIELDS, #START_FIELDS, #START_FIELDS - 1, #START_FIELDS - 2 end
+  if attempts then return MOVE_FIELDS, all, all - 1, all - 2 end
+  if settle then return MOVE_FIELDS, NOTIFY, nil, nil end
+  return MOVE_FIELDS, all - 2, nil, all - 2
 end
 
 -- A move's own fields when it has none (shared, never written to).
 local NO_FIELDS = {}
 
--- Reads one task's move from ARGV at `at`: its template (its number, 1-based), token, then a
--- count of its own field/value pairs and the pairs. Returns the move and the next `at`. (The
--- common case, no fields of its own, parses no number and makes no table: per task, each
--- costs a start about as much as a small command's look-up does.)
-local function read_move(templates, at)
-  local m = {tpl = templates[ARGV[at]], token = ARGV[at + 1], fields = NO_FIELDS}
-  if ARGV[at + 2] == '0' then return m, at + 3 end
+-- Reads one task's move from ARGV at `at` into `m` (one table a call, refilled per task: a
+-- move is done with before the next is read): its template (its number, 1-based), token,
+-- then a count of its own field/value pairs and the pairs. Returns the next `at`. (The common
+-- case, no fields of its own, parses no number and makes no table: per task, each costs a
+-- start about as much as a small command's look-up does.)
+local function read_move(templates, at, m)
+  m.tpl, m.token, m.fields, m.stored = templates[ARGV[at]], ARGV[at + 1], NO_FIELDS, false
+  if ARGV[at + 2] == '0' then return at + 3 end
   local k = tonumber(ARGV[at + 2])
   m.fields = read_fields(at + 3, k)
   m.stored = stores(m.fields)
-  return m, at + 3 + 2 * k
+  return at + 3 + 2 * k
 end
 
 -- A fed task without a hash ended and was folded: its job's record says how, and which
@@ -314,14 +343,13 @@ end
 function commands.transition()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
-               events = KEYS[1], folds = new_folds(), args = {}}
+               events = KEYS[1], folds = new_folds(), claims = {}}
   local templates, at = read_templates(5)
-  ctx.read, ctx.reads, ctx.attempts_at = fields_read(templates, false)
-  local replies, tally = {}, new_tally()
+  ctx.read, ctx.reads, ctx.attempts_at, ctx.quota_at = fields_read(templates, false)
+  local replies, tally, m = {}, new_tally(), {}
   for i = 2, #KEYS do
     local id = ARGV[at]
-    local m
-    m, at = read_move(templates, at + 1)
+    at = read_move(templates, at + 1, m)
     local previous, moved, held, _, current = fenced_move(KEYS[i], id, m, ctx, tally)
     reply_row(replies, previous, moved, held, current)
   end
@@ -348,18 +376,17 @@ commands.start = commands.transition
 function commands.settle()
   local t = now()
   local ctx = {jobs = ARGV[2], refs = ARGV[3], ttl = tonumber(ARGV[4]), t = t, ts = stamp(t),
-               events = KEYS[6], keep = true, folds = new_folds(), args = {}}
+               events = KEYS[6], keep = true, folds = new_folds(), claims = {}}
   local groups, at = read_usage_groups(7)
   local templates
   templates, at = read_templates(at)
   -- (a settle reads what an end needs even for a move that is not one: its usage names the
   -- task's own tenant)
-  ctx.read, ctx.reads, ctx.attempts_at = fields_read(templates, true)
-  local replies, tally, settled = {}, new_tally(), {}
+  ctx.read, ctx.reads, ctx.attempts_at, ctx.quota_at = fields_read(templates, true)
+  local replies, tally, settled, m = {}, new_tally(), {}, {}
   for i = 7, #KEYS do
     local id = ARGV[at]
-    local m
-    m, at = read_move(templates, at + 1)
+    at = read_move(templates, at + 1, m)
     local group, own = groups[ARGV[at]], ARGV[at + 1]
     at = at + 2
     local previous, moved, held, h, current = fenced_move(KEYS[i], id, m, ctx, tally)

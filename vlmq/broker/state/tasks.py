@@ -32,6 +32,7 @@ __all__ = [
     "Moved",
     "Tasks",
     "encode_moves",
+    "start_move",
     "with_state",
 ]
 
@@ -144,6 +145,20 @@ def encode_moves(
             token = moves[i].token
             per_move[i] = [number, "" if token is None else str(token), len(rest) // 2, *rest]
     return header, per_move
+
+
+def start_move(
+    task_id: str, token: int, worker: str, modality: str, status: Mapping[str, str]
+) -> Move:
+    """The move of a held task to running right before its engine call: one attempt, its
+    worker, its start on Redis's clock. ``status``: the task's status as its pull read it. A
+    task a vlmq producer created (its hash has ``queued_at``) was given its modality then;
+    only a message that came without one (any Celery producer's) gets it here: each field a
+    start writes costs Redis ~4,500 instructions a task."""
+    fields = {"worker": worker}
+    if not status.get("queued_at"):
+        fields["modality"] = modality
+    return Move(task_id, TaskState.RUNNING, fields, token, "started_at", True)
 
 
 def _set_fields(move: Move) -> dict[str, str]:

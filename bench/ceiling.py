@@ -49,7 +49,15 @@ from typing import Any
 
 import redis as redis_py
 
-from bench.common import machine, main_thread_cpu, push_raw, replace_section, spread, wait_for
+from bench.common import (
+    command_line,
+    machine,
+    main_thread_cpu,
+    push_raw,
+    replace_section,
+    spread,
+    wait_for,
+)
 from bench.redis_floor import DESIGNS as FLOOR_DESIGNS
 from bench.redis_floor import Floor, new_tasks
 from vlmq.config.keys import Keys
@@ -554,7 +562,7 @@ def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
 def main(argv: list[str] | None = None) -> None:
     plan, write = _parse(argv)
     report = run(plan)
-    command = "python -m bench.ceiling " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.ceiling", argv)
     body = render(report, command.strip())
     print(body)
     if write:

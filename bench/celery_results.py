@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import replace_section
+from bench.common import command_line, replace_section
 from vlmq.config.keys import Keys
 from vlmq.config.wire import encode_message
 
@@ -325,9 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             f"worker CPU, {hooks.redis_us:.1f} us Redis CPU per task",
             flush=True,
         )
-    command = "python -m bench.celery_results " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("bench.celery_results", argv)
     body = render(report, command.strip())
     print(body)
     if args.write:

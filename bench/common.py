@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import random
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -120,6 +122,11 @@ def require_success(results: list[Any]) -> None:
     failed = [r for r in results if r.status != "succeeded"]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error}")
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """The command that ran, as a reader can paste it (an argument with a space quoted)."""
+    return f"python -m {module} " + shlex.join(argv if argv is not None else sys.argv[1:])
 
 
 def replace_section(path: Path, marker: str, body: str) -> None:

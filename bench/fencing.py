@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import replace_section, spread
+from bench.common import command_line, replace_section, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 # The commit before the fencing change (issue 10's parent): the "before" of this figure.
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{run.redis_us_per_task:.1f} us Redis CPU per task",
                     flush=True,
                 )
-    command = "python -m bench.fencing " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.fencing", argv)
     body = render(report, command.strip())
     print(body)
     if args.write:

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import machine, replace_section
+from bench.common import command_line, machine, replace_section
 from bench.redis_phases import run_probe, vlmq_total
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             tree = copy_without(feature, Path(tmp))
             without[feature.name] = run_probe(tree, args.tasks, args.batch, "fed", True)
         print(f"without {feature.name}: done", file=sys.stderr, flush=True)
-    command = "python -m bench.redis_features " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("bench.redis_features", argv)
     body = render(whole, without, args, command.strip())
     print(body)
     if args.write:

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import redis as redis_py
 
-from bench.common import machine, main_thread_cpu, push_raw, replace_section, spread
+from bench.common import command_line, machine, main_thread_cpu, push_raw, replace_section, spread
 from bench.redis_phases import run_probe
 from vlmq.producers.localredis import LocalRedis
 
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, runner in order:
             runs[name].append(runner())
             print(f"[{repeat + 1}/{repeats}] {name}: done", file=sys.stderr, flush=True)
-    command = "python -m bench.redis_floor " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.redis_floor", argv)
     body = render({name: runs[name] for name in runners}, args, command.strip())
     print(body)
     if args.write:

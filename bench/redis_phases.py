@@ -29,7 +29,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import machine, replace_section, spread
+from bench.common import command_line, machine, replace_section, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "redis-phases"
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"[{repeat + 1}/{repeats}] {name}: done", file=sys.stderr, flush=True)
     ordered = {name: runs[name] for name in trees}
-    command = "python -m bench.redis_phases " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.redis_phases", argv)
     body = render(ordered, args, command.strip())
     print(body)
     if args.write:

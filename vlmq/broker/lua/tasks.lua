@@ -103,7 +103,7 @@ local START_FIELDS = {'state', 'deliveries', 'job_id', 'quota', 'attempts', 'sta
 -- claims key -> {claims, tails}, `order` (first-seen), `keys` (hashes to delete, a set too).
 local function new_folds() return {of = {}, order = {}, keys = {}, deleting = {}} end
 
--- `claims`: the job's claims key (Keys.job_claims).
+-- `claims`: the job's claims key (Keys.job_custom_ids: claims_key).
 local function fold(key, h, m, claims, folds)
   local pending = folds.of[claims]
   if not pending then
@@ -296,7 +296,7 @@ local function folded_record(id, ctx)
   local number, claim, sub = string.match(id, '^(%d+)%.([0-9a-f]+)%.([0-9a-f]+)$')
   local job = redis.call('GET', ctx.refs .. number)
   if not job then return nil end
-  local record = redis.call('HGET', ctx.jobs .. job .. ':custom_ids', claim)
+  local record = redis.call('HGET', claims_key(ctx, job), claim)
   if not record then return nil end
   local by, code, delivery = string.match(record, '^(%S+) (%a)(%d*)')
   if by ~= sub or not code then return nil end

@@ -17,7 +17,12 @@ compose file runs it), one after the other:
   pulls batches of ``--batch``, starts, "runs" and settles them, writing a result object per
   task to a local folder, until the job has finished;
 * **against** (``--against PATH``, a checkout of another commit): the same with that
-  checkout's code, in the same round.
+  checkout's code, in the same round;
+* **celery** (``--celery``): what vlmq replaces, plain Celery on its own Redis transport: N
+  Celery worker processes (solo pool, late acks, prefetching a batch, a no-op task; the same
+  footprint), paused while the tasks are sent one ``send_task`` each, then resumed until the
+  queue and kombu's unacked hash are empty; once with results ignored, once with each
+  task's result in the Redis result backend (a status per task, as vlmq keeps).
 
 Redis CPU is the server's main thread (``INFO cpu``: what caps one Redis) over enqueue and
 drain, per task; the whole process's (``/proc/<pid>/stat``: the AOF's background fsync
@@ -128,6 +133,61 @@ print(n, last)
 """
 )
 
+# Plain Celery, for comparison (``--celery``): Celery's own Redis transport as a Celery app
+# runs it reliably (late acks: a message stays in kombu's unacked hash until its task
+# returned), a no-op task, one solo worker process each, prefetching a batch. No gossip,
+# mingle, heartbeats or remote control (vlmq workers use none of them). With results ('1')
+# each task's result goes to the Redis result backend on the same server (what a web app that
+# reads ``AsyncResult`` needs: a status per task). Says it is ready; at its shutdown prints
+# how many tasks it ran and when the last one returned.
+CELERY_QUEUE = "celery-ceiling"
+_CELERY_APP = r"""
+from celery import Celery
+def celery_app(url, batch, results):
+    app = Celery("ceiling", broker=url, backend=url if results else None)
+    app.conf.update(
+        task_acks_late=True, worker_prefetch_multiplier=batch, task_ignore_result=not results,
+        worker_enable_remote_control=False, worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True, task_default_queue="celery-ceiling",
+        worker_redirect_stdouts=False,
+        task_serializer="json", result_serializer="json", accept_content=["json"])
+    @app.task(name="noop")
+    def noop(text):
+        return len(text)
+    return app
+"""
+_CELERY_WORKER = (
+    _FOOTPRINT
+    + _CELERY_APP
+    + r"""
+import sys, time, redis
+from celery.signals import task_postrun, worker_ready, worker_shutdown
+url, batch, results, ready = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+app = celery_app(url, batch, results)
+done = [0, 0.0]
+def count(**_):
+    done[0], done[1] = done[0] + 1, time.time()
+task_postrun.connect(count, weak=False)
+worker_ready.connect(lambda **_: redis.Redis.from_url(url).lpush(ready, "1"), weak=False)
+worker_shutdown.connect(lambda **_: print(done[0], done[1], flush=True), weak=False)
+app.worker_main(["worker", "-P", "solo", "-l", "warning", "--without-gossip",
+                 "--without-mingle", "--without-heartbeat", "-Q", "celery-ceiling"])
+"""
+)
+# Sends the tasks as a web app does: one send_task each. The message is Celery's own envelope
+# (~1.3 KB with its body base64-encoded: over the others' ~1 KB with a task number alone).
+_CELERY_SEND = (
+    _CELERY_APP
+    + r"""
+import sys
+url, n, results = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+app = celery_app(url, 32, results)
+with app.producer_or_acquire() as producer:
+    for i in range(n):
+        app.send_task("noop", args=[str(i)], producer=producer)
+"""
+)
+
 # Enqueues in the tree under test (its vlmq first on sys.path): prints the job id.
 _ENQUEUE = r"""
 import json, sys
@@ -161,6 +221,7 @@ class Plan:
     against_label: str
     commands: int = 0  # the costliest commands to list per run (0: none)
     floor: bool = False  # also run bench.redis_floor's designs
+    celery: bool = False  # also run plain Celery workers (late acks; with and without results)
 
 
 @dataclass(frozen=True)
@@ -312,6 +373,66 @@ def measure_floor(
     )
 
 
+# --- plain Celery (``--celery``) ------------------------------------------------------
+
+CELERY_LABELS = {False: "celery, late acks", True: "celery, late acks + results"}
+
+
+def _celery_drained(redis: redis_py.Redis) -> bool:
+    """The queue and kombu's unacked hash both empty: every task ran and was acknowledged."""
+    return int(redis.llen(CELERY_QUEUE)) == 0 and int(redis.hlen("unacked")) == 0
+
+
+def measure_celery(
+    url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: int, results: bool
+) -> Sample:
+    redis.flushall()
+    ready, flag = "celery:ready", "1" if results else "0"
+    argv = [sys.executable, "-c", _CELERY_WORKER, url, str(plan.batch), flag, ready]
+    # (stderr: Celery's warnings about running as root, here in a container)
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for _ in range(n)
+    ]
+    try:
+        wait_for(lambda: int(redis.llen(ready)) == n, READY_S, "the Celery workers")
+        _signal_all(procs, signal.SIGSTOP)
+        cpu0, whole0 = meter.main(), meter.process()
+        send = [sys.executable, "-c", _CELERY_SEND, url, str(plan.tasks), flag]
+        subprocess.run(send, check=True, capture_output=True, timeout=600)
+        cpu1 = meter.main()
+        go = time.time()
+        redis.config_resetstat()
+        _signal_all(procs, signal.SIGCONT)
+        # (twice in a row: a message a worker has popped is in neither for an instant)
+        wait_for(lambda: _celery_drained(redis) and _celery_drained(redis), 900, "the drain")
+        cpu2, whole2 = meter.main(), meter.process()
+        commands = _commands(redis)
+        for proc in procs:
+            proc.terminate()
+        # (each prints its banner, then its count and time last: worker_shutdown)
+        outputs = [
+            proc.communicate(timeout=120)[0].decode().strip().splitlines()[-1].split()
+            for proc in procs
+        ]
+    finally:
+        _stop(procs)
+    ran = sum(int(out[0]) for out in outputs)
+    if ran != plan.tasks:
+        raise RuntimeError(f"{CELERY_LABELS[results]}: {ran} of {plan.tasks} tasks ran")
+    last = max(float(out[1]) for out in outputs)
+    return Sample(
+        CELERY_LABELS[results],
+        n,
+        plan.tasks,
+        last - go,
+        cpu1 - cpu0,
+        cpu2 - cpu1,
+        whole2 - whole0,
+        0.0,
+        commands,
+    )
+
+
 # --- vlmq workers ---------------------------------------------------------------
 
 
@@ -426,6 +547,8 @@ def run(plan: Plan) -> Report:
                     samples.append(measure_vlmq(local.url, redis, meter, plan, n, tree, label))
                 for design in FLOOR_DESIGNS if plan.floor else ():
                     samples.append(measure_floor(local.url, redis, meter, plan, n, design))
+                for results in (False, True) if plan.celery else ():
+                    samples.append(measure_celery(local.url, redis, meter, plan, n, results))
             for sample in samples:
                 report.samples.append(sample)
                 _progress(repeat, sample)
@@ -473,6 +596,7 @@ def render(report: Report, command: str) -> str:
     plan = report.plan
     consumers = ["raw", "vlmq"] + ([plan.against_label] if plan.against else [])
     consumers += list(FLOOR_DESIGNS.values()) if plan.floor else []
+    consumers += list(CELERY_LABELS.values()) if plan.celery else []
     how = "a bulk job fed from its staged input" if plan.enqueue == "fed" else "`submit_many`"
     lines = [
         f"Command: `{command}`",
@@ -480,7 +604,13 @@ def render(report: Report, command: str) -> str:
         f"Machine: {machine()}. {plan.tasks:,} text tasks per run ({how}), no-op workers "
         f"(`--no-celery`, batches of {plan.batch}, local results folder); one fresh "
         f"`redis-server` (AOF everysec) per worker count and round, raw then vlmq on it; "
-        f"medians (min-max) of {plan.repeats} rounds.",
+        f"medians (min-max) of {plan.repeats} rounds."
+        + (
+            " Plain Celery: one solo worker process each, late acks, prefetching a batch, "
+            "one `send_task` a message."
+            if plan.celery
+            else ""
+        ),
         "",
         "| consumer | workers | tasks/s | Redis CPU us/task (main thread) | over raw | "
         "of which enqueue | whole process us/task | busy (of a core) | ceiling, tasks/s "
@@ -540,6 +670,12 @@ def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
     parser.add_argument(
         "--floor", action="store_true", help="Also run bench.redis_floor's designs."
     )
+    parser.add_argument(
+        "--celery",
+        action="store_true",
+        help="Also run plain Celery workers (its Redis transport, late acks; with and without "
+        "a result per task).",
+    )
     args = parser.parse_args(argv)
     against = Path(args.against).resolve() if args.against else None
     label = args.label or (f"vlmq at {against.name}" if against else "")
@@ -555,6 +691,7 @@ def _parse(argv: list[str] | None) -> tuple[Plan, str | None]:
         label,
         args.commands,
         args.floor,
+        args.celery,
     )
     return plan, args.write
 

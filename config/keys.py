@@ -11,10 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LANES", "Keys"]
+__all__ = ["JOB_SUFFIXES", "LANES", "Keys"]
 
 # The lanes of each class: interactive is drained before any bulk work.
 LANES = ("interactive", "bulk")
+
+# A job's own keys are its hash's name plus one of these. The Lua learns a task's job while it
+# runs and appends them itself: vlmq/broker/scripts.py hands it this table (JOB_KEYS), so each
+# suffix is spelled here only.
+JOB_SUFFIXES = {
+    "tasks": ":tasks",
+    "claims": ":custom_ids",
+    "finished": ":finished",
+    "errors": ":errors",
+    "usage": ":usage",
+}
 
 
 @dataclass(frozen=True)
@@ -116,20 +127,20 @@ class Keys:
         return self.job("")
 
     def job_tasks(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}:tasks"
+        return self.job(job_id) + JOB_SUFFIXES["tasks"]
 
     def job_custom_ids(self, job_id: str) -> str:
         """Hash claim (a digest of a custom_id) -> 'submission' while its task lives, then its
         folded record 'submission code[delivery]' (scripts.lua ``fold``): the job's index of
-        its fed tasks, and all that is left of a finished one. ``job(id)`` plus this suffix
-        (the fold, learning the job from the task, appends it)."""
-        return f"{self.prefix}:job:{job_id}:custom_ids"
+        its fed tasks, and all that is left of a finished one. ``job(id)`` plus its suffix
+        (the fold, learning the job from the task, appends it: JOB_SUFFIXES)."""
+        return self.job(job_id) + JOB_SUFFIXES["claims"]
 
     def job_finished(self, job_id: str) -> str:
         """List of the job's task ids in the order they reached a terminal state, each once
         (lua/tasks.lua appends it in the step that ends the task): readers page through it by
-        offset to follow a running job. ``job(id)`` plus ':finished'; expires with the job."""
-        return f"{self.job(job_id)}:finished"
+        offset to follow a running job. ``job(id)`` plus its suffix; expires with the job."""
+        return self.job(job_id) + JOB_SUFFIXES["finished"]
 
     def job_numbers(self) -> str:
         """Counter giving each job a short number (fed task ids start with it)."""
@@ -153,7 +164,7 @@ class Keys:
 
     def job_errors(self, job_id: str) -> str:
         """Hash line number -> invalid-line record of a bulk submission."""
-        return f"{self.prefix}:job:{job_id}:errors"
+        return self.job(job_id) + JOB_SUFFIXES["errors"]
 
     def jobs_submitting(self) -> str:
         """Sorted set job id -> latest lease of a submitter still adding to it."""
@@ -192,8 +203,8 @@ class Keys:
         return f"{self.prefix}:usage-tenants"
 
     def job_usage(self, job_id: str) -> str:
-        """A job's usage, as ``usage`` (``job(id)`` plus ':usage'; expires with the job)."""
-        return f"{self.job(job_id)}:usage"
+        """A job's usage, as ``usage`` (``job(id)`` plus its suffix; expires with the job)."""
+        return self.job(job_id) + JOB_SUFFIXES["usage"]
 
     def rate_bucket(self, caller: str) -> str:
         """A caller's request-rate token bucket, shared by every API process (expires idle)."""

@@ -720,7 +720,7 @@ def test_crafted_ids_are_404_before_forming_a_key(
     # A job whose internal hashes exist: J and J:custom_ids (its claims).
     lines = [json.dumps({"custom_id": f"c{n}", **TASK}) for n in range(2)]
     submit_jsonl(client, lines, "J")
-    assert client.redis.exists(client.keys.job("J") + ":custom_ids")
+    assert client.redis.exists(client.keys.job_custom_ids("J"))
     assert _ok(http.get("/v1/jobs/J"))["total"] == 2
     looked_up: list[str] = []
     from vlmq.producers.api import jobs

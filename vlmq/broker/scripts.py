@@ -53,7 +53,7 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import ResponseError
 
-from vlmq.config.keys import Keys
+from vlmq.config.keys import JOB_SUFFIXES, Keys
 
 __all__ = ["ALLOW_OOM", "REPLAYED", "Call", "Scripts", "Wait", "library"]
 
@@ -111,10 +111,19 @@ REPLAYED = frozenset(
 REPLAY_TTL_S = 60
 
 
+def job_keys() -> str:
+    """The Lua's table of a job's key suffixes, ``JOB_KEYS`` (config/keys.py JOB_SUFFIXES): a
+    script that learns a task's job appends them to the job's name, spelled in keys.py only."""
+    entries = ", ".join(f"{name} = '{suffix}'" for name, suffix in JOB_SUFFIXES.items())
+    comment = "-- a job's own keys: its name plus these (config/keys.py)"
+    return f"{comment}\nlocal JOB_KEYS = {{{entries}}}"
+
+
 def source() -> str:
-    """The one script: every concern's file, then the dispatch."""
+    """The one script: the job key suffixes, every concern's file, then the dispatch."""
     lua = resources.files("vlmq.broker").joinpath("lua")
-    return "\n".join(lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in LUA_FILES)
+    files = (lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in LUA_FILES)
+    return "\n".join((job_keys(), *files))
 
 
 def library(text: str | None = None) -> tuple[str, str]:

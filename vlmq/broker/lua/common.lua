@@ -8,12 +8,14 @@
 -- could never drain); a function is refused or run whole, never half-applied.
 --
 -- Rules: every key arrives in KEYS; a key learned while running (the hash of a task just
--- pulled, a task's job) is a prefix from Keys (ARGV) plus the id. Time is Redis's own (now()),
--- so a worker with a skewed clock neither takes live work nor keeps dead work. A delivery's
--- token is the task's delivery count at pull (the hash's 'deliveries'); a holder whose token
--- is no longer the count was superseded and every fenced write of it is refused. A command
--- that is not safe to repeat is called with a call id (dispatch.lua): a retry of the same
--- call answers what the first run answered and changes nothing.
+-- pulled, a task's job) is a prefix from Keys (ARGV) plus the id, and a job's own keys that
+-- job's name plus a suffix of JOB_KEYS (config/keys.py JOB_SUFFIXES, put before this file by
+-- vlmq/broker/scripts.py). Time is Redis's own (now()), so a worker with a skewed clock
+-- neither takes live work nor keeps dead work. A delivery's token is the task's delivery
+-- count at pull (the hash's 'deliveries'); a holder whose token is no longer the count was
+-- superseded and every fenced write of it is refused. A command that is not safe to repeat
+-- is called with a call id (dispatch.lua): a retry of the same call answers what the first
+-- run answered and changes nothing.
 --
 -- A library, not a script: Redis runs a script's whole text at each EVALSHA (defining every
 -- function and table below: ~177,000 instructions a call, measured), a library's once, at

@@ -147,7 +147,7 @@ local function fed_and_ended(id, refs, jobs)
   if not is_fed_id(id) then return false end
   local number, claim = string.match(id, '^(%d+)%.([0-9a-f]+)%.')
   local job = redis.call('GET', refs .. number)
-  return job ~= false and redis.call('HEXISTS', jobs .. job .. ':custom_ids', claim) == 1
+  return job ~= false and redis.call('HEXISTS', jobs .. job .. JOB_KEYS.claims, claim) == 1
 end
 
 -- Appends a pull's row to its flat reply (commands.pull).

@@ -41,7 +41,8 @@ end
 -- without one). `refs`: Keys.job_ref_prefix.
 local function keep_job(jobkey, ttl, refs)
   local seq = redis.call('HGET', jobkey, 'seq')
-  local keys = {jobkey, jobkey .. ':custom_ids', jobkey .. ':tasks', jobkey .. ':finished'}
+  local keys = {jobkey, jobkey .. JOB_KEYS.claims, jobkey .. JOB_KEYS.tasks,
+                jobkey .. JOB_KEYS.finished}
   for _, key in ipairs(keys) do
     redis.call('EXPIRE', key, ttl)
   end

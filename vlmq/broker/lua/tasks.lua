@@ -43,7 +43,7 @@ end
 -- (keep_job renews both; a call that does not renew them gives the list the hash's ttl, or
 -- `ttl` seconds where the hash has none: never a list that outlives its job).
 local function push_finished(jobkey, ids, keep, ttl)
-  local list = jobkey .. ':finished'
+  local list = jobkey .. JOB_KEYS.finished
   call_many('RPUSH', list, ids, 1)
   if not keep then
     local left = redis.call('PTTL', jobkey)
@@ -177,7 +177,7 @@ end
 local function claims_key(ctx, job)
   local claims = ctx.claims[job]
   if not claims then
-    claims = ctx.jobs .. job .. ':custom_ids'
+    claims = ctx.jobs .. job .. JOB_KEYS.claims
     ctx.claims[job] = claims
   end
   return claims

@@ -115,7 +115,7 @@ local function count_usage(sums, job, tenant, u, jobprefix, usage_prefix)
   add_usage(sums, usage_prefix .. tenant, u)
   sums.tenants[tenant] = true
   if job and job ~= '' then
-    local key = jobprefix .. job .. ':usage'
+    local key = jobprefix .. job .. JOB_KEYS.usage
     add_usage(sums, key, u)
     sums.jobs[key] = true
   end

@@ -179,6 +179,7 @@ COMPOSE = Group(
         _image("MINIO_IMAGE", "minio", "minio/minio:latest"),
         _image("MC_IMAGE", "minio-init", "minio/mc:latest"),
         _image("FLOWER_IMAGE", "flower", "mher/flower:2.0"),
+        _image("REDIS_EXPORTER_IMAGE", "redis-exporter", "oliver006/redis_exporter:v1.69.0"),
         _image("PROMETHEUS_IMAGE", "prometheus", "prom/prometheus:v3.5.0"),
         _image("GRAFANA_IMAGE", "grafana", "grafana/grafana:12.2.1"),
     ),

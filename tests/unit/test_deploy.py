@@ -60,6 +60,7 @@ REQUIRED_SERVICES = {
     "worker-prepare",
     "api",
     "flower",
+    "redis-exporter",
     "prometheus",
     "grafana",
 }
@@ -515,6 +516,21 @@ def test_prometheus_scrapes_the_workers_and_the_api():
     assert [t for sc in api["static_configs"] for t in sc["targets"]] == ["api:8000"]
     mounted = " ".join(services()["prometheus"]["volumes"])
     assert "./docker/prometheus.yml:/etc/prometheus/prometheus.yml" in mounted
+
+
+def test_prometheus_scrapes_redis_through_a_pinned_exporter_of_the_compose_redis():
+    exporter = services()["redis-exporter"]
+    image = re.fullmatch(r"\$\{REDIS_EXPORTER_IMAGE:-(.+)\}", exporter["image"])
+    # pinned: the dashboard's Redis row reads series (main-thread CPU) older ones lack
+    assert image and re.fullmatch(r"oliver006/redis_exporter:v\d+\.\d+\.\d+", image.group(1))
+    assert exporter["environment"]["REDIS_ADDR"] == "redis://redis:6379"
+    assert exporter["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "ports" not in exporter  # Prometheus reaches it on the compose network
+    jobs = {
+        job["job_name"]: job for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
+    }
+    targets = [t for sc in jobs["redis"]["static_configs"] for t in sc["targets"]]
+    assert targets == ["redis-exporter:9121"]
 
 
 def mounts(service: dict[str, Any]) -> dict[str, str]:

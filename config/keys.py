@@ -69,7 +69,7 @@ class Keys:
     def active_jobs(self, modality: str, tenant: str) -> str:
         """Sorted set of one tenant's job lists of a class that may hold messages, scored by
         when each was last served. Always ``active_tenants(modality)`` + ':' + the tenant
-        (scripts.lua finds the class's set from a tenant's by that rule; tenant names hold no
+        (lua/intake.lua finds the class's set from a tenant's by that rule; tenant names hold no
         ':')."""
         return f"{self.active_tenants(modality)}:{tenant}"
 
@@ -131,7 +131,7 @@ class Keys:
 
     def job_custom_ids(self, job_id: str) -> str:
         """Hash claim (a digest of a custom_id) -> 'submission' while its task lives, then its
-        folded record 'submission code[delivery]' (scripts.lua ``fold``): the job's index of
+        folded record 'submission code[delivery]' (lua/tasks.lua ``fold``): the job's index of
         its fed tasks, and all that is left of a finished one. ``job(id)`` plus its suffix
         (the fold, learning the job from the task, appends it: JOB_SUFFIXES)."""
         return self.job(job_id) + JOB_SUFFIXES["claims"]

@@ -2,7 +2,7 @@
 requests, model seconds, GPU microseconds and cost (micro-cents: ``config/cost.py``), by model
 and modality.
 
-Counted by the settle script in the step that settles each task (scripts.lua, "usage"), so a
+Counted by the settle script in the step that settles each task (lua/tenants.lua, "usage"), so a
 task counts once, when its result becomes the task's; a superseded delivery's counts nothing.
 Model seconds are each task's share of its micro-batch's time in the engine (generate time
 over batch size). GPU time and cost are the result's ``cost`` field, as its worker charged

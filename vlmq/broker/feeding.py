@@ -258,7 +258,7 @@ class Feeder:
             return FeedLine.parse(raw)
         except (ValueError, KeyError, TypeError):
             # The input was written by the validation pass; a line it cannot read back is a
-            # damaged object: counted out of the job (scripts.lua), never fed.
+            # damaged object: counted out of the job (lua/jobs.lua), never fed.
             log.error("feed %s: an unreadable line in its staged input was skipped", feed_id)
             return None
 

@@ -18,6 +18,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# Imported whole here, at start-up, not lazily by ``app.events`` in whichever thread first asks
+# for a dispatcher or a receiver: two threads importing it at once deadlock on its import locks
+# (the package imports .receiver while a thread importing the receiver waits on the package;
+# seen with a receiver thread beside a dispatcher being made, tests/integration/
+# test_observability.py).
+import celery.events  # noqa: F401
 from celery.utils.saferepr import saferepr
 
 from vlmq.config.wire import TASK_NAME, Envelope

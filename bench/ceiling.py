@@ -312,6 +312,15 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             proc.wait(10)
 
 
+def _last_done(outputs: Sequence[Sequence[str]], plan: Plan, label: str, counted: str) -> float:
+    """When the last of the consumers' tasks was done, from each consumer's ``count time``
+    line; fails unless their counts sum to the tasks (``counted``: what the count is of)."""
+    done = sum(int(out[0]) for out in outputs)
+    if done != plan.tasks:
+        raise RuntimeError(f"{label}: {done} of {plan.tasks} {counted}")
+    return max(float(out[1]) for out in outputs)
+
+
 # --- raw LPUSH / BRPOP ---------------------------------------------------------
 
 
@@ -329,10 +338,7 @@ def measure_raw(url: str, redis: redis_py.Redis, meter: Meter, plan: Plan, n: in
         outputs = [proc.communicate(timeout=600)[0].decode().split() for proc in procs]
     finally:
         _stop(procs)
-    popped = sum(int(out[0]) for out in outputs)
-    if popped != plan.tasks:
-        raise RuntimeError(f"raw: {popped} of {plan.tasks} messages popped")
-    last = max(float(out[1]) for out in outputs)
+    last = _last_done(outputs, plan, "raw", "messages popped")
     cpu2, whole2 = meter.main(), meter.process()
     return Sample("raw", n, plan.tasks, last - go, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0)
 
@@ -363,10 +369,7 @@ def measure_floor(
         commands = _commands(redis)
     finally:
         _stop(procs)
-    settled = sum(int(out[0]) for out in outputs)
-    if settled != plan.tasks:
-        raise RuntimeError(f"{design}: {settled} of {plan.tasks} tasks settled")
-    last = max(float(out[1]) for out in outputs)
+    last = _last_done(outputs, plan, design, "tasks settled")
     label = FLOOR_DESIGNS[design]
     return Sample(
         label, n, plan.tasks, last - go_at, cpu1 - cpu0, cpu2 - cpu1, whole2 - whole0, 0.0, commands
@@ -424,10 +427,7 @@ def measure_celery(
         ]
     finally:
         _stop(procs)
-    ran = sum(int(out[0]) for out in outputs)
-    if ran != plan.tasks:
-        raise RuntimeError(f"{CELERY_LABELS[results]}: {ran} of {plan.tasks} tasks ran")
-    last = max(float(out[1]) for out in outputs)
+    last = _last_done(outputs, plan, CELERY_LABELS[results], "tasks ran")
     return Sample(
         CELERY_LABELS[results],
         n,

@@ -24,6 +24,8 @@ that never contains a raw exception text, a stack trace or an object repr.
     │   ├── StoreUnavailable      store_unavailable
     │   └── QuotaExceeded         quota_exceeded (a tenant's queued tasks or tokens; submit later)
     └── ConfigError               configuration_error (operator mistake, not a task error)
+        └── LayoutUnreadable      layout_unreadable (a newer task layout is in force than
+                                  this process's version reads: update it)
 
 ``OutOfMemory`` is internal to the engine: it halves the micro-batch and is
 never reported unless a batch of one still runs out of memory.
@@ -39,6 +41,7 @@ __all__ = [
     "Expired",
     "GenerationFailed",
     "InvalidRequest",
+    "LayoutUnreadable",
     "MediaDecodeFailed",
     "MediaError",
     "MediaFetchFailed",
@@ -90,6 +93,13 @@ class RetryableError(VlmqError):
 
 class ConfigError(VlmqError):
     code = "configuration_error"
+
+
+class LayoutUnreadable(ConfigError):
+    """A newer task layout is in force than this version reads (vlmq/broker/layouts.py):
+    Redis refused the call whole; the process must be updated, not retried."""
+
+    code = "layout_unreadable"
 
 
 class InvalidRequest(PermanentError):

@@ -249,6 +249,11 @@ class Keys:
         return f"{self.prefix}:finished:{listener}"
 
     # calls -----------------------------------------------------------------
+    def layout(self) -> str:
+        """The task layout in force (absent: 1); a library that cannot read it refuses every
+        call (vlmq/broker/layouts.py)."""
+        return f"{self.prefix}:layout"
+
     def libraries(self) -> str:
         """When each version's Lua library was last loaded (vlmq/broker/scripts.py prunes
         the stale ones by it)."""

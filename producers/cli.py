@@ -30,6 +30,7 @@ _COMMANDS = {
     "results": "vlmq.producers.commands:results",
     "cancel": "vlmq.producers.commands:cancel",
     "usage": "vlmq.producers.commands:usage",
+    "layout": "vlmq.producers.layout:layout",
     "serve": "vlmq.producers.serve:serve",
     "healthcheck": "vlmq.producers.healthcheck:healthcheck",
     "settings": "vlmq.producers.settings_docs:settings",

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import sys
 import time
 import uuid
@@ -27,7 +26,7 @@ from vlmq.config.settings import Settings
 from vlmq.producers.bulk import SubmitReport, submit_jsonl
 from vlmq.producers.client import Client
 from vlmq.producers.export import job_summary
-from vlmq.producers.failures import reported
+from vlmq.producers.failures import reported, this_command
 from vlmq.producers.finished import lines_to_come
 from vlmq.producers.follow import LineWriter, Sinks, cursor_path, read_once
 from vlmq.producers.follow import follow as follow_job
@@ -53,12 +52,6 @@ def parse_window(text: str | None) -> float | None:
 
 def _client() -> Client:
     return Client(Settings())
-
-
-def _this_command(*extra: str) -> str:
-    """The command line that ran this command, with ``extra`` arguments added (what to run
-    again to resume it)."""
-    return " ".join(["vlmq", *map(shlex.quote, [*sys.argv[1:], *extra])])
 
 
 def _echo_progress(text: str) -> None:
@@ -198,7 +191,7 @@ def submit(
     job_id = job_name or uuid.uuid4().hex
     click.echo(job_id)
     # The same file under the same job id resumes the job (what was enqueued is skipped).
-    again = _this_command() if job_name else _this_command("--job", job_id)
+    again = this_command() if job_name else this_command("--job", job_id)
     with reported(again, f"job {job_id} is safe (what was enqueued stays enqueued and runs)"):
         _submit(
             input_path,
@@ -335,7 +328,7 @@ def _dry_run(input_path: Path, as_json: bool, allow_outside: bool = False) -> No
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(identifier: str, as_json: bool) -> None:
     """Counts per state, rate and ETA of a job, or the status of one task."""
-    with reported(_this_command(), "nothing was changed"):
+    with reported(this_command(), "nothing was changed"):
         _status(identifier, as_json)
 
 
@@ -404,7 +397,7 @@ def results(
 ) -> None:
     """Write a job's finished lines, in the order they finished, into JSONL files (a running
     job's too: the lines finished so far, and how many are still to come)."""
-    with reported(_this_command(), f"job {job_id} is safe (its results stay stored)"):
+    with reported(this_command(), f"job {job_id} is safe (its results stay stored)"):
         client = _client()
         if not client.state.jobs.exists(job_id):
             raise click.ClickException(f"unknown job {job_id}")
@@ -467,7 +460,7 @@ def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
     seconds and cost per tenant (or of one job), by model and modality, and per model."""
     if job_id is not None:
         check_id("job id", job_id)
-    with reported(_this_command(), "nothing was changed"):
+    with reported(this_command(), "nothing was changed"):
         client = _client()
         currency = client.settings.cost.currency
         report = usage_report(client.redis, client.keys, tenants or None, job_id, currency)
@@ -503,7 +496,7 @@ def usage(tenants: tuple[str, ...], job_id: str | None, as_json: bool) -> None:
 @click.argument("identifier", metavar="JOB_OR_TASK_ID")
 def cancel(identifier: str) -> None:
     """Cancel queued tasks of a job (or one task); running ones finish."""
-    with reported(_this_command(), "what was cancelled stays cancelled; nothing else changed"):
+    with reported(this_command(), "what was cancelled stays cancelled; nothing else changed"):
         cancelled = _client().cancel(identifier)
     click.echo(f"cancelled {cancelled:,} queued tasks")
     sys.exit(0)

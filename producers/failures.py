@@ -11,6 +11,8 @@ refusal.
 from __future__ import annotations
 
 import contextlib
+import shlex
+import sys
 from collections.abc import Iterator
 
 import click
@@ -18,7 +20,7 @@ from redis import RedisError
 
 from vlmq.config.errors import StoreUnavailable
 
-__all__ = ["EXIT_OUTAGE", "OutageError", "describe", "is_outage", "reported"]
+__all__ = ["EXIT_OUTAGE", "OutageError", "describe", "is_outage", "reported", "this_command"]
 
 EXIT_OUTAGE = 75  # sysexits.h EX_TEMPFAIL
 
@@ -50,6 +52,12 @@ def describe(exc: BaseException) -> str:
     if cause is not None:
         detail += f" ({type(cause).__name__}: {cause})"
     return f"{service} failed ({' '.join(detail.split())})"
+
+
+def this_command(*extra: str) -> str:
+    """The command line that ran this command, with ``extra`` arguments added (what to run
+    again to resume it)."""
+    return " ".join(["vlmq", *map(shlex.quote, [*sys.argv[1:], *extra])])
 
 
 @contextlib.contextmanager

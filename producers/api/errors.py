@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import (
     InvalidRequest,
+    LayoutUnreadable,
     QuotaExceeded,
     RequestTooLarge,
     RetryableError,
@@ -174,8 +175,8 @@ def _status_of(exc: VlmqError) -> int:
         return 422
     if isinstance(exc, QuotaExceeded):
         return 429
-    if isinstance(exc, RetryableError):
-        return 503
+    if isinstance(exc, (RetryableError, LayoutUnreadable)):
+        return 503  # (an API server not yet updated: another one serves it)
     return 500
 
 
@@ -191,8 +192,9 @@ async def _on_vlmq_error(request: Request, exc: Exception) -> JSONResponse:
     status = _status_of(exc)
     if status >= 500:
         log.warning("request failed: %s", exc.code)
-    message = exc.message if status < 500 or exc.retryable else "internal error"
-    code = exc.code if status < 500 or exc.retryable else "internal_error"
+    shown = status < 500 or exc.retryable or isinstance(exc, LayoutUnreadable)
+    message = exc.message if shown else "internal error"
+    code = exc.code if shown else "internal_error"
     headers = None
     if isinstance(exc, QuotaExceeded):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}

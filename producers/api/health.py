@@ -47,6 +47,9 @@ def readyz(ctx: ApiContext = Depends(context)) -> Any:
     checks = {
         "redis": _check("redis", ctx.client.redis.ping),
         "store": _check("store", lambda: ctx.client.store.ping()),
+        # A newer task layout in force than this version reads (vlmq/broker/layouts.py):
+        # every call would be refused, so traffic goes to servers that were updated.
+        "layout": _check("layout", ctx.client.state.layouts.check),
     }
     if all(v == "ok" for v in checks.values()):
         return Readiness(status="ok", checks=checks)

@@ -10,6 +10,7 @@ import logging
 from redis import RedisError
 
 from vlmq.broker.state.tenants import Tenants
+from vlmq.config.errors import LayoutUnreadable
 from vlmq.config.settings import Settings
 
 __all__ = ["RateLimiter"]
@@ -45,8 +46,9 @@ class RateLimiter:
     def _take(self, caller: str, per_s: float, burst: int) -> float:
         try:
             return self.tenants.take_rate(caller, per_s, burst)
-        except RedisError as exc:
-            # Without Redis no work is taken anyway (the routes answer 503): let it through
-            # to that answer rather than refuse with a made-up rate.
-            log.warning("rate limit not checked: Redis %s", type(exc).__name__)
+        except (RedisError, LayoutUnreadable) as exc:
+            # Without Redis (or on a server older than the task layout in force) no work is
+            # taken anyway (the routes answer 503): let it through to that answer rather than
+            # refuse with a made-up rate.
+            log.warning("rate limit not checked: %s", type(exc).__name__)
             return 0.0

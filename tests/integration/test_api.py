@@ -202,7 +202,7 @@ def test_metrics_count_routes(http):
 
 def test_healthz_and_openapi(http):
     assert http.get("/healthz").json() == {"status": "ok"}
-    assert http.get("/readyz").json()["checks"] == {"redis": "ok", "store": "ok"}
+    assert http.get("/readyz").json()["checks"] == {"redis": "ok", "store": "ok", "layout": "ok"}
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/v1/tasks", "/v1/tasks:batch", "/v1/batches", "/v1/files"} <= set(paths)
 

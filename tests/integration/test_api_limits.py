@@ -9,7 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_api_support import api_settings
+from vlmq.broker import layouts
 from vlmq.config import wire
+from vlmq.config.keys import Keys
 from vlmq.config.schemas import MAX_PARTS
 from vlmq.producers.api.app import create_app
 from vlmq.producers.api.tasks import MAX_BATCH_PARTS
@@ -151,10 +153,25 @@ def test_readyz_and_requests_when_redis_is_down(make_http, redis_server):
     redis_server.kill()
     ready = http.get("/readyz")
     assert ready.status_code == 503
-    assert ready.json()["checks"] == {"redis": "unavailable", "store": "ok"}
+    assert ready.json()["checks"] == {
+        "redis": "unavailable",
+        "store": "ok",
+        "layout": "unavailable",
+    }
     assert ready.json()["error"]["code"] == "not_ready"
     assert http.get("/healthz").status_code == 200
     _error(http.post("/v1/tasks", json=TASK), 503, "broker_unavailable")
+
+
+def test_an_api_server_older_than_the_task_layout_in_force_is_not_ready(make_http):
+    """After the fleet-wide layout switch (vlmq/broker/layouts.py) an API server not yet
+    updated answers 503 and says why, and its readiness sends traffic to the others."""
+    http = make_http()
+    http.app.state.ctx.client.redis.set(Keys().layout(), layouts.NEWEST + 1)
+    ready = http.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["checks"]["layout"] == "unavailable"
+    error = _error(http.post("/v1/tasks", json=TASK), 503, "layout_unreadable")
+    assert "update this process" in error["message"]
 
 
 def test_unexpected_errors_leak_nothing(make_http, monkeypatch):

@@ -53,6 +53,8 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from vlmq.broker import layouts
+from vlmq.config.errors import LayoutUnreadable
 from vlmq.config.keys import JOB_SUFFIXES, Keys
 
 __all__ = ["ALLOW_OOM", "REPLAYED", "Call", "Scripts", "Wait", "library"]
@@ -60,7 +62,7 @@ __all__ = ["ALLOW_OOM", "REPLAYED", "Call", "Scripts", "Wait", "library"]
 log = logging.getLogger(__name__)
 
 # The concerns' files, in the order their definitions depend on each other.
-LUA_FILES = ("common", "tenants", "intake", "jobs", "tasks", "events", "dispatch")
+LUA_FILES = ("common", "layouts", "tenants", "intake", "jobs", "tasks", "events", "dispatch")
 
 # Every vlmq library's name starts so (the rest: its text's digest).
 LIBRARY_PREFIX = "vlmq_"
@@ -119,11 +121,19 @@ def job_keys() -> str:
     return f"{comment}\nlocal JOB_KEYS = {{{entries}}}"
 
 
+def layout() -> str:
+    """The Lua's ``LAYOUT``: the newest task layout this version reads and writes
+    (vlmq/broker/layouts.py); the dispatch refuses every call while a newer one is in force."""
+    comment = "-- the newest task layout this library reads (vlmq/broker/layouts.py)"
+    return f"{comment}\nlocal LAYOUT = {layouts.NEWEST}"
+
+
 def source() -> str:
-    """The one script: the job key suffixes, every concern's file, then the dispatch."""
+    """The one script: the job key suffixes and the layout, every concern's file, then the
+    dispatch."""
     lua = resources.files("vlmq.broker").joinpath("lua")
     files = (lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in LUA_FILES)
-    return "\n".join((job_keys(), *files))
+    return "\n".join((job_keys(), layout(), *files))
 
 
 def library(text: str | None = None) -> tuple[str, str]:
@@ -144,6 +154,19 @@ def _library_names(listed: Any) -> set[str]:
 def _missing(error: Any) -> bool:
     """Redis's answer to FCALL of a function it does not have (the call did not run)."""
     return isinstance(error, ResponseError) and "function not found" in str(error).lower()
+
+
+# The first word of the dispatch's refusal while a newer layout is in force (lua/layouts.lua).
+_LAYOUT_REFUSED = "UNREADABLE "
+
+
+def _refused(error: ResponseError) -> Exception:
+    """The library's refusal as :class:`LayoutUnreadable` (the call did not run); any other
+    error as it is."""
+    text = str(error)
+    if text.startswith(_LAYOUT_REFUSED):
+        return LayoutUnreadable(text.removeprefix(_LAYOUT_REFUSED))
+    return error
 
 
 class Call:
@@ -173,6 +196,8 @@ class Scripts:
         self.keys = keys
         self.replay_ttl_s = replay_ttl_s
         self.name, self.code = library()
+        # The task layouts this version reads, and the newest (its library's LAYOUT).
+        self.reads, self.newest = layouts.READS, layouts.NEWEST
         self._in_use_due = 0.0  # (monotonic) when to record the library in use next
 
     def __call__(
@@ -187,16 +212,19 @@ class Scripts:
         if time.monotonic() >= self._in_use_due:
             self._record_in_use()
         function = f"{self.name}_oom" if command in ALLOW_OOM else self.name
-        argv = [function, len(keys), *keys, command, *args, *self._replay(command, call)]
+        argv = [function, len(keys), *keys, command, *args, *self._dispatch_args(command, call)]
         if wait is not None and wait.replicas > 0:
             return self._then_wait(command, argv, wait)
         try:
+            try:
+                return self.redis.execute_command("FCALL", *argv)
+            except ResponseError as error:
+                if not _missing(error):
+                    raise
+            self.load()
             return self.redis.execute_command("FCALL", *argv)
         except ResponseError as error:
-            if not _missing(error):
-                raise
-        self.load()
-        return self.redis.execute_command("FCALL", *argv)
+            raise _refused(error) from None
 
     def load(self) -> None:
         """Loads this version's library into Redis (another process may have just done so),
@@ -246,11 +274,12 @@ class Scripts:
         if gone:
             self.redis.hdel(registry, *gone)
 
-    def _replay(self, command: str, call: Call | None) -> list[Any]:
-        """The dispatch's own two arguments: the call's replay key and its ttl."""
+    def _dispatch_args(self, command: str, call: Call | None) -> list[Any]:
+        """The dispatch's own three arguments: the layout key, the call's replay key and its
+        ttl."""
         if command not in REPLAYED:
-            return ["", 0]
-        return [self.keys.call((call or Call()).id), self.replay_ttl_s]
+            return [self.keys.layout(), "", 0]
+        return [self.keys.layout(), self.keys.call((call or Call()).id), self.replay_ttl_s]
 
     def _then_wait(self, command: str, argv: list[Any], wait: Wait) -> Any:
         """The call, then WAIT, on one connection (a pipeline without MULTI: in a MULTI an
@@ -265,6 +294,8 @@ class Scripts:
                 # call did not run, so loading the library and running it again is safe.
                 self.load()
                 continue
+            if isinstance(reply, ResponseError):
+                raise _refused(reply) from None
             if isinstance(reply, Exception):
                 raise reply
             self._check_wait(command, acked, wait)

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
+from vlmq.broker import layouts
 from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
 from vlmq.broker.feeding import Feeder
 from vlmq.broker.state import State
 from vlmq.config.cost import Pricing
-from vlmq.config.errors import ConfigError
+from vlmq.config.errors import ConfigError, LayoutUnreadable
 from vlmq.config.ids import valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.settings import FleetSettings, Settings
@@ -60,6 +61,9 @@ __all__ = ["WorkerService", "compose_loop", "compose_prepare_loop", "fleet_state
 log = logging.getLogger(__name__)
 
 EXIT_STUCK = 70
+# A newer task layout is in force than this version reads: an update is the fix, not a restart
+# (the exit code of a setting that cannot work, as ``vlmq`` gives it).
+EXIT_LAYOUT = 2
 # Leases a worker may stay silent before its heartbeat record is pruned.
 WORKER_SILENT_LEASES = 5
 
@@ -190,7 +194,9 @@ class WorkerService:
         self.redis = create_redis(settings)  # a pool: connects on first use
         self.loop: BatchLoop | PrepareLoop | None = None
         self.feeder: Feeder | None = None
-        self.records = fleet_state(self.redis, settings.fleet).workers
+        state = fleet_state(self.redis, settings.fleet)
+        self.records = state.workers
+        self.layouts = state.layouts
         self.celery_results: Any = None  # CeleryResults, when results are recorded
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
@@ -199,6 +205,7 @@ class WorkerService:
         self.notices = NoticeWatcher(settings.drain)
 
     def setup(self) -> WorkerService:
+        self.layouts.check()  # before the model loads: a process that cannot read it stops
         if self.role == "prepare":
             return self._setup_prepare()
         self.engine.setup()
@@ -306,6 +313,8 @@ class WorkerService:
         assert self.loop is not None
         try:
             self.loop.run_forever()
+        except LayoutUnreadable as exc:
+            _exit_unreadable(exc)
         except Exception:
             log.critical("the batch loop crashed; exiting so leases are redelivered", exc_info=True)
             os._exit(EXIT_STUCK)
@@ -323,6 +332,8 @@ class WorkerService:
             except TRANSIENT_REDIS_ERRORS as exc:
                 log.warning("heartbeat: Redis %s; retrying", type(exc).__name__)
                 continue
+            except LayoutUnreadable as exc:
+                _exit_unreadable(exc)
             except BaseException:
                 log.critical("the heartbeat failed; exiting so leases lapse", exc_info=True)
                 os._exit(EXIT_STUCK)
@@ -340,6 +351,8 @@ class WorkerService:
                 self.feeder.run_once()
             except TRANSIENT_REDIS_ERRORS as exc:
                 log.warning("feeder: Redis %s; retrying", type(exc).__name__)
+            except LayoutUnreadable as exc:
+                _exit_unreadable(exc)
             except Exception:
                 # A feed it could not read (the store is down): its lease lapses and any
                 # feeder, this one included, resumes it from its cursor.
@@ -367,6 +380,8 @@ class WorkerService:
             else {},
             # Its GPU and what an hour of it costs (each result's cost is priced with it).
             "cost": self.loop.parts.pricing.record() if isinstance(self.loop, BatchLoop) else None,
+            # The task layouts it reads: a newer one is raised only once every record lists it.
+            "layouts": list(layouts.READS),
         }
         # A worker silent for this many leases died without a clean stop (its work was
         # redelivered after one): its record goes.
@@ -375,6 +390,8 @@ class WorkerService:
             pruned = self.records.announce(self.name, info, forget_after_s)
         except TRANSIENT_REDIS_ERRORS as exc:
             log.warning("heartbeat record skipped: Redis %s", type(exc).__name__)
+        except LayoutUnreadable as exc:
+            _exit_unreadable(exc)
         else:
             if pruned:
                 log.info("forgot %d records of workers silent for %.0fs", pruned, forget_after_s)
@@ -407,6 +424,13 @@ class WorkerService:
     def wait(self) -> None:
         """Block until stopped (used when not hosted by Celery)."""
         self._stopped.wait()
+
+
+def _exit_unreadable(exc: LayoutUnreadable) -> None:
+    """Ends the process: every call of its library is refused, so it can neither take nor
+    give back work (what it holds is reaped by a worker of the new version)."""
+    log.critical("%s; exiting", exc.message)
+    os._exit(EXIT_LAYOUT)
 
 
 def _left(deadline: float) -> float:

@@ -1,7 +1,8 @@
 -- uses nothing from the other files
 -- vlmq's Redis scripts: one function library made of one file per concern, whose functions
 -- run through one dispatch (vlmq/broker/scripts.py concatenates the files in this order:
--- common, tenants, intake, jobs, tasks, events, dispatch, and loads them with FUNCTION LOAD).
+-- common, layouts, tenants, intake, jobs, tasks, events, dispatch, and loads them with
+-- FUNCTION LOAD).
 -- ARGV[1] names the command; the rest of ARGV and KEYS are the command's own (documented above
 -- each one). Registered twice, once refused under maxmemory and once with allow-oom (the
 -- commands that settle, give back or renew work must run when Redis is full, or a full fleet

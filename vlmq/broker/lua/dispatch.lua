@@ -1,11 +1,12 @@
--- uses nothing from the other files
--- dispatch: run the command ARGV[1] names. The last two ARGV belong to the dispatch and are
--- taken off (from the end: no shifting) before the command reads ARGV: the call's replay key
--- (Keys.call: '' for a command that is safe to repeat) and how long it is kept. A command
--- that is not safe to repeat is called with a call id the caller chose, the same for every
--- retry of that call (redis-py resends a command whose reply a reset lost; a caller's own
--- retry reuses it too): the first run keeps its reply under the key, in the same atomic step
--- as its effect, and a retry answers that reply and changes nothing.
+-- uses layouts.lua: layout_refusal
+-- dispatch: run the command ARGV[1] names. The last three ARGV belong to the dispatch and are
+-- taken off (from the end: no shifting) before the command reads ARGV: the layout key
+-- (Keys.layout: no call runs while a layout newer than this library's is in force), the
+-- call's replay key (Keys.call: '' for a command that is safe to repeat) and how long it is
+-- kept. A command that is not safe to repeat is called with a call id the caller chose, the
+-- same for every retry of that call (redis-py resends a command whose reply a reset lost; a
+-- caller's own retry reuses it too): the first run keeps its reply under the key, in the
+-- same atomic step as its effect, and a retry answers that reply and changes nothing.
 
 local function keep(name, reply)
   local replay = replays[name]
@@ -24,6 +25,9 @@ local function run()
   ARGV[#ARGV] = nil
   local replay_key = ARGV[#ARGV]
   ARGV[#ARGV] = nil
+  local refused = layout_refusal(ARGV[#ARGV])
+  ARGV[#ARGV] = nil
+  if refused then return redis.error_reply(refused) end
   local name = ARGV[1]
   if replay_key ~= '' then
     local kept = redis.call('GET', replay_key)

@@ -10,6 +10,7 @@ jobs and feeds     ``jobs.py``: Jobs, Feeds                     ``jobs.lua``
 tenants            ``tenants.py``: Tenants (quotas, rates)      ``tenants.lua``
 events             ``events.py``: Events (webhook events)       ``events.lua``
 usage (read back)  ``usage.py``: read_usage, usage_report       counted in ``tasks.lua``
+task layouts       ``layouts.py``: Layouts (the switch)         ``layouts.lua``
 =================  ==========================================  ============================
 
 Every script runs through one dispatch (``vlmq/broker/scripts.py``, ``lua/dispatch.lua``), every
@@ -32,6 +33,7 @@ from vlmq.broker.state.events import Events
 from vlmq.broker.state.feeds import Feeds
 from vlmq.broker.state.intake import Intake, Leases
 from vlmq.broker.state.jobs import Jobs
+from vlmq.broker.state.layouts import Layouts
 from vlmq.broker.state.locks import NamedLeases
 from vlmq.broker.state.tasks import Tasks
 from vlmq.broker.state.tenants import Tenants
@@ -67,6 +69,7 @@ class State:
         self.leases = Leases(self.scripts, keys)
         self.workers = WorkerRecords(redis, self.scripts, keys)
         self.named = NamedLeases(redis, self.scripts)
+        self.layouts = Layouts(redis, self.scripts, keys)
 
     def intake(self, modality: str, role: str = "gpu") -> Intake:
         """A pull of one modality class's queues, for a GPU or a prepare worker."""

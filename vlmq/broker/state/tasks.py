@@ -19,6 +19,7 @@ from typing import Any
 import redis as redis_py
 
 from vlmq.broker.scripts import Call, Scripts, Wait
+from vlmq.broker.state.layouts import check_readable
 from vlmq.config.ids import FED_ID, valid_id
 from vlmq.config.keys import Keys
 from vlmq.config.status import TaskState, sources_of
@@ -267,10 +268,25 @@ class Tasks:
         """A task's status ({"state": "unknown"} for an id Redis has never seen)."""
         if not valid_id(task_id):
             return {"state": TaskState.UNKNOWN.value}
-        raw: dict[str, str] = self.redis.hgetall(self.keys.task(task_id))  # type: ignore[assignment]
+        pipe = self._reads()
+        pipe.hgetall(self.keys.task(task_id))
+        (raw,) = self._replies(pipe)
         if raw:
             return with_state(raw)
         return self.folded(task_id) or {"state": TaskState.UNKNOWN.value}
+
+    def _reads(self) -> Any:
+        """A pipeline of reads whose first reply is the layout in force (:meth:`_replies`
+        checks it): a process of an older version must not misread a newer layout's tasks."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.keys.layout())
+        return pipe
+
+    def _replies(self, pipe: Any) -> list[Any]:
+        """The replies of a :meth:`_reads` pipeline, once this version reads the layout."""
+        in_force, *replies = pipe.execute()
+        check_readable(in_force, self.scripts.newest)
+        return replies
 
     def folded(self, task_id: str) -> dict[str, str] | None:
         """A finished fed task's status, from its job's claims (its id names both)."""
@@ -291,14 +307,14 @@ class Tasks:
 
     def many(self, task_ids: Sequence[str], fields: Sequence[str] = ()) -> list[dict[str, str]]:
         """Status of many tasks in one pipelined round trip (``fields``: only those)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._reads()
         for task_id in task_ids:
             key = self.keys.task(task_id)
             if fields:
                 pipe.hmget(key, list(fields))
             else:
                 pipe.hgetall(key)
-        replies = pipe.execute()
+        replies = self._replies(pipe)
         if fields:
             return [_fields(fields, values) for values in replies]
         return [with_state(r) if r else {"state": TaskState.UNKNOWN.value} for r in replies]
@@ -310,7 +326,7 @@ class Tasks:
         trip: a fed task's from its folded record (it was folded as it ended), another's from
         its hash. None for one that is gone (a fed task superseded by a later submission's,
         or expired)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._reads()
         claims = self.keys.job_custom_ids(job_id)
         fed = [FED_ID.match(task_id) for task_id in task_ids]
         for task_id, match in zip(task_ids, fed, strict=True):
@@ -319,7 +335,7 @@ class Tasks:
             else:
                 pipe.hmget(self.keys.task(task_id), list(fields))
         found: list[dict[str, str] | None] = []
-        for task_id, match, reply in zip(task_ids, fed, pipe.execute(), strict=True):
+        for task_id, match, reply in zip(task_ids, fed, self._replies(pipe), strict=True):
             if match is None:
                 status = _fields(fields, reply)
                 found.append(status if status["state"] != TaskState.UNKNOWN.value else None)
@@ -334,10 +350,10 @@ class Tasks:
     def states(self, task_ids: Sequence[str]) -> list[TaskState]:
         """Each task's state, in one pipelined round trip (a second one for finished fed
         tasks, whose state their job keeps)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._reads()
         for task_id in task_ids:
             pipe.hget(self.keys.task(task_id), "state")
-        states = [_STATES.get(value, TaskState.UNKNOWN) for value in pipe.execute()]
+        states = [_STATES.get(value, TaskState.UNKNOWN) for value in self._replies(pipe)]
         unknown = [i for i, s in enumerate(states) if s is TaskState.UNKNOWN]
         fed = [i for i in unknown if FED_ID.match(task_ids[i])]
         for index, folded in zip(fed, self._folded_many([task_ids[i] for i in fed]), strict=True):

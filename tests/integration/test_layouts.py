@@ -84,6 +84,17 @@ def test_a_layout_is_raised_once_every_live_worker_reads_it(settings, next_versi
     assert new.state.layouts.raise_to(1) == (newest, [])  # never lowered
 
 
+def test_a_layout_key_that_holds_no_layout_refuses_everything_and_says_so(settings):
+    client = Client(settings)
+    client.redis.set(KEYS.layout(), "two")
+    with pytest.raises(LayoutUnreadable, match="layout two is in force"):
+        client.submit(TEXT)
+    with pytest.raises(LayoutUnreadable, match="layout two is in force"):
+        client.state.layouts.check()
+    with pytest.raises(ConfigError, match="holds 'two', not a layout"):
+        client.state.layouts.in_force()
+
+
 def test_a_version_raises_only_a_layout_it_reads(settings):
     client = Client(settings)
     with pytest.raises(ConfigError, match="reads layouts"):

@@ -10,9 +10,11 @@
 -- Why a call is refused (an error reply's text: its first word is the code
 -- vlmq/broker/scripts.py knows it by), or nil when this library reads the layout in force.
 local function layout_refusal(key)
-  local in_force = tonumber(redis.call('GET', key) or '1')
-  if in_force <= LAYOUT then return nil end
-  return 'UNREADABLE layout ' .. in_force .. ' is in force and this version of vlmq reads '
+  local raw = redis.call('GET', key) or '1'
+  local in_force = tonumber(raw)
+  if in_force and in_force <= LAYOUT then return nil end
+  -- (a value that is not a number was not written by raise_layout: nothing is read by it)
+  return 'UNREADABLE layout ' .. raw .. ' is in force and this version of vlmq reads '
     .. 'layouts up to ' .. LAYOUT .. ': update this process (docs/deploy.md, Upgrades)'
 end
 
@@ -36,6 +38,7 @@ end
 function commands.raise_layout()
   local wanted = tonumber(ARGV[2])
   local in_force = tonumber(redis.call('GET', KEYS[1]) or '1')
+  if not in_force then return redis.error_reply('ERR the layout key holds no layout') end
   if wanted <= in_force then return {in_force, {}} end
   if wanted > LAYOUT then
     return redis.error_reply('ERR this version of vlmq does not know layout ' .. wanted)

@@ -15,9 +15,15 @@ from vlmq.config.keys import Keys
 __all__ = ["Layouts", "check_readable"]
 
 
-def _layout(raw: Any) -> int:
-    """``Keys.layout``'s value as read (absent: layout 1)."""
-    return 1 if raw is None else int(raw)
+def _layout(raw: Any) -> int | None:
+    """``Keys.layout``'s value as read (absent: layout 1; None: not a layout, which nothing
+    reads, as the Lua's ``layout_refusal`` has it)."""
+    if raw is None:
+        return 1
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def check_readable(raw: Any, newest: int) -> None:
@@ -26,9 +32,9 @@ def check_readable(raw: Any, newest: int) -> None:
     plain read of a task by a process of an older version must not misreport what it cannot
     understand."""
     in_force = _layout(raw)
-    if in_force > newest:
+    if in_force is None or in_force > newest:
         raise LayoutUnreadable(
-            f"layout {in_force} is in force and this version of vlmq reads layouts up to "
+            f"layout {raw} is in force and this version of vlmq reads layouts up to "
             f"{newest}: update this process (docs/deploy.md, Upgrades)"
         )
 
@@ -41,7 +47,11 @@ class Layouts:
 
     def in_force(self) -> int:
         """The layout in force: a plain read, so any version can tell which it is."""
-        return _layout(self.redis.get(self.keys.layout()))
+        raw = self.redis.get(self.keys.layout())
+        in_force = _layout(raw)
+        if in_force is None:
+            raise ConfigError(f"{self.keys.layout()} holds {raw!r}, not a layout")
+        return in_force
 
     def check(self) -> None:
         """Raises :class:`LayoutUnreadable` when this version cannot read the layout in force

@@ -1,5 +1,5 @@
 """``vlmq layout``: the task layout in force, what each live worker reads, and the fleet-wide
-switch to a newer one (vlmq/broker/layouts.py; docs/operations.md, Upgrades)."""
+switch to a newer one (vlmq/broker/layouts.py; docs/deploy.md, Upgrades)."""
 
 from __future__ import annotations
 

@@ -160,13 +160,13 @@ def _missing(error: Any) -> bool:
 _LAYOUT_REFUSED = "UNREADABLE "
 
 
-def _refused(error: ResponseError) -> Exception:
-    """The library's refusal as :class:`LayoutUnreadable` (the call did not run); any other
-    error as it is."""
+def _layout_refusal(error: ResponseError) -> LayoutUnreadable | None:
+    """The library's refusal while a newer layout is in force (the call did not run), or
+    None for any other error."""
     text = str(error)
     if text.startswith(_LAYOUT_REFUSED):
         return LayoutUnreadable(text.removeprefix(_LAYOUT_REFUSED))
-    return error
+    return None
 
 
 class Call:
@@ -216,15 +216,23 @@ class Scripts:
         if wait is not None and wait.replicas > 0:
             return self._then_wait(command, argv, wait)
         try:
-            try:
-                return self.redis.execute_command("FCALL", *argv)
-            except ResponseError as error:
-                if not _missing(error):
-                    raise
-            self.load()
+            return self._fcall(argv)
+        except ResponseError as error:
+            refusal = _layout_refusal(error)
+            if refusal is None:
+                raise
+            raise refusal from None
+
+    def _fcall(self, argv: list[Any]) -> Any:
+        """FCALL; a Redis without this version's library gets it loaded first (the call did
+        not run)."""
+        try:
             return self.redis.execute_command("FCALL", *argv)
         except ResponseError as error:
-            raise _refused(error) from None
+            if not _missing(error):
+                raise
+        self.load()
+        return self.redis.execute_command("FCALL", *argv)
 
     def load(self) -> None:
         """Loads this version's library into Redis (another process may have just done so),
@@ -294,8 +302,9 @@ class Scripts:
                 # call did not run, so loading the library and running it again is safe.
                 self.load()
                 continue
-            if isinstance(reply, ResponseError):
-                raise _refused(reply) from None
+            refusal = _layout_refusal(reply) if isinstance(reply, ResponseError) else None
+            if refusal is not None:
+                raise refusal from None
             if isinstance(reply, Exception):
                 raise reply
             self._check_wait(command, acked, wait)

@@ -58,6 +58,12 @@ def layout(raise_to: int | None, as_json: bool) -> None:
 def _echo(report: dict[str, Any], raise_to: int | None) -> None:
     click.echo(f"layout in force: {report['in_force']}")
     click.echo(f"this version reads: {', '.join(map(str, report['this_version_reads']))}")
+    if report["in_force"] not in report["this_version_reads"]:
+        click.echo(
+            f"this version does not read layout {report['in_force']}: update it "
+            "(docs/deploy.md, Upgrades)",
+            err=True,
+        )
     click.echo(f"live workers: {len(report['workers'])}")
     for name, reads in report["workers"].items():
         click.echo(f"  {name}: reads {', '.join(map(str, reads))}")

@@ -127,3 +127,8 @@ def test_vlmq_layout_shows_the_switch_and_who_holds_it_back(settings, monkeypatc
     assert refused.exit_code == 1
     assert "not raised: 1 live worker(s) do not read layout 2 (w1)" in refused.output
     assert client.state.layouts.in_force() == 1
+    client.redis.set(KEYS.layout(), 2)  # raised by a newer version
+    shown = runner.invoke(layout_command, [])
+    assert shown.exit_code == 0
+    assert "layout in force: 2" in shown.output
+    assert "this version does not read layout 2: update it" in shown.output

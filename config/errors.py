@@ -25,7 +25,8 @@ that never contains a raw exception text, a stack trace or an object repr.
     │   └── QuotaExceeded         quota_exceeded (a tenant's queued tasks or tokens; submit later)
     └── ConfigError               configuration_error (operator mistake, not a task error)
         └── LayoutUnreadable      layout_unreadable (a newer task layout is in force than
-                                  this process's version reads: update it)
+                                  this process's version reads: update it; retryable, as an
+                                  updated process serves the request)
 
 ``OutOfMemory`` is internal to the engine: it halves the micro-batch and is
 never reported unless a batch of one still runs out of memory.
@@ -97,9 +98,11 @@ class ConfigError(VlmqError):
 
 class LayoutUnreadable(ConfigError):
     """A newer task layout is in force than this version reads (vlmq/broker/layouts.py):
-    Redis refused the call whole; the process must be updated, not retried."""
+    Redis refused the call whole. This process must be updated; a client's retry of what it
+    asked (served by an updated process) is not refused."""
 
     code = "layout_unreadable"
+    retryable = True
 
 
 class InvalidRequest(PermanentError):

@@ -9,7 +9,6 @@ from typing import Any
 
 import click
 
-from vlmq.broker import layouts
 from vlmq.config.settings import Settings
 from vlmq.producers.client import Client
 from vlmq.producers.failures import reported, this_command
@@ -44,7 +43,7 @@ def layout(raise_to: int | None, as_json: bool) -> None:
         workers = _workers_reads(state.workers.all())
     report = {
         "in_force": in_force,
-        "this_version_reads": list(layouts.READS),
+        "this_version_reads": list(state.layouts.reads),
         "workers": workers,
         "behind": behind,
     }

@@ -24,10 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS
 from vlmq.config.errors import (
     InvalidRequest,
-    LayoutUnreadable,
     QuotaExceeded,
     RequestTooLarge,
-    RetryableError,
     VlmqError,
 )
 
@@ -175,8 +173,8 @@ def _status_of(exc: VlmqError) -> int:
         return 422
     if isinstance(exc, QuotaExceeded):
         return 429
-    if isinstance(exc, (RetryableError, LayoutUnreadable)):
-        return 503  # (an API server not yet updated: another one serves it)
+    if exc.retryable:  # (a transient failure, or a server not yet updated: another serves it)
+        return 503
     return 500
 
 
@@ -192,9 +190,8 @@ async def _on_vlmq_error(request: Request, exc: Exception) -> JSONResponse:
     status = _status_of(exc)
     if status >= 500:
         log.warning("request failed: %s", exc.code)
-    shown = status < 500 or exc.retryable or isinstance(exc, LayoutUnreadable)
-    message = exc.message if shown else "internal error"
-    code = exc.code if shown else "internal_error"
+    message = exc.message if status < 500 or exc.retryable else "internal error"
+    code = exc.code if status < 500 or exc.retryable else "internal_error"
     headers = None
     if isinstance(exc, QuotaExceeded):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}

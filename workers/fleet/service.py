@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, start_http_server
 from redis import Redis, RedisError
 
-from vlmq.broker import layouts
 from vlmq.broker.connection import TRANSIENT_REDIS_ERRORS, celery_broker, create_redis
 from vlmq.broker.feeding import Feeder
 from vlmq.broker.state import State
@@ -381,7 +380,7 @@ class WorkerService:
             # Its GPU and what an hour of it costs (each result's cost is priced with it).
             "cost": self.loop.parts.pricing.record() if isinstance(self.loop, BatchLoop) else None,
             # The task layouts it reads: a newer one is raised only once every record lists it.
-            "layouts": list(layouts.READS),
+            "layouts": list(self.layouts.reads),
         }
         # A worker silent for this many leases died without a clean stop (its work was
         # redelivered after one): its record goes.

@@ -37,8 +37,7 @@ end
 -- names of the workers that kept it from being raised.
 function commands.raise_layout()
   local wanted = tonumber(ARGV[2])
-  local in_force = tonumber(redis.call('GET', KEYS[1]) or '1')
-  if not in_force then return redis.error_reply('ERR the layout key holds no layout') end
+  local in_force = tonumber(redis.call('GET', KEYS[1]) or '1')  -- (a number: dispatch checked)
   if wanted <= in_force then return {in_force, {}} end
   if wanted > LAYOUT then
     return redis.error_reply('ERR this version of vlmq does not know layout ' .. wanted)

@@ -45,6 +45,11 @@ class Layouts:
         self.scripts = scripts
         self.keys = keys
 
+    @property
+    def reads(self) -> tuple[int, ...]:
+        """The layouts this version reads (its library's: a worker's record lists them)."""
+        return self.scripts.reads
+
     def in_force(self) -> int:
         """The layout in force: a plain read, so any version can tell which it is."""
         raw = self.redis.get(self.keys.layout())
@@ -62,9 +67,9 @@ class Layouts:
         """Puts ``layout`` in force unless a live worker's record does not list it; returns
         the layout in force after the call and the workers that kept it from being raised
         (none: it is in force). Never lowers one."""
-        if layout not in self.scripts.reads:
+        if layout not in self.reads:
             raise ConfigError(
-                f"this version of vlmq reads layouts {list(self.scripts.reads)}, not {layout}"
+                f"this version of vlmq reads layouts {list(self.reads)}, not {layout}"
             )
         keys = [self.keys.layout(), self.keys.workers()]
         in_force, behind = self.scripts("raise_layout", keys, [layout])

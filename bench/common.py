@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import random
@@ -16,8 +17,11 @@ from typing import Any
 from vlmq.config.schemas import Request
 
 __all__ = [
+    "ablate",
+    "ablation_args",
     "machine",
     "main_thread_cpu",
+    "publish",
     "push_raw",
     "replace_section",
     "require_success",
@@ -177,3 +181,33 @@ def push_raw(redis: Any, key: str, tasks: int) -> None:
     for start in range(0, tasks, 2000):
         pipe.lpush(key, *[f"{i}:{body}" for i in range(start, min(tasks, start + 2000))])
         pipe.execute()
+
+
+def ablation_args(doc: str | None, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments of a bench that counts what each part costs by taking it out."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--write", default=None, help="Markdown file to put the table in.")
+    return parser.parse_args(argv)
+
+
+def ablate(
+    names: Sequence[str], measure: Callable[[str | None], dict[str, float]]
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """``measure(None)`` (the whole) and ``measure(name)`` (without that part) for each name,
+    with progress on stderr."""
+    whole = measure(None)
+    print("as it is: done", file=sys.stderr, flush=True)
+    without: dict[str, dict[str, float]] = {}
+    for name in names:
+        without[name] = measure(name)
+        print(f"without {name}: done", file=sys.stderr, flush=True)
+    return whole, without
+
+
+def publish(body: str, write: str | None, marker: str) -> None:
+    """Prints a bench's table, and puts it in the markdown file ``write`` names, if any."""
+    print(body)
+    if write:
+        replace_section(Path(write), marker, body)

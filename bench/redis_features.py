@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import command_line, machine, replace_section
+from bench.common import ablate, ablation_args, command_line, machine, publish
 from bench.redis_phases import run_probe, vlmq_total
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,24 +161,19 @@ def render(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--write", default=None, help="Markdown file to put the table in.")
-    args = parser.parse_args(argv)
-    whole = run_probe(ROOT, args.tasks, args.batch, "fed", True)
-    print("vlmq as it is: done", file=sys.stderr, flush=True)
-    without: dict[str, dict[str, float]] = {}
-    for feature in FEATURES:
+    args = ablation_args(__doc__, argv)
+    features = {feature.name: feature for feature in FEATURES}
+
+    def measure(name: str | None) -> dict[str, float]:
+        if name is None:
+            return run_probe(ROOT, args.tasks, args.batch, "fed", True)
         with tempfile.TemporaryDirectory() as tmp:
-            tree = copy_without(feature, Path(tmp))
-            without[feature.name] = run_probe(tree, args.tasks, args.batch, "fed", True)
-        print(f"without {feature.name}: done", file=sys.stderr, flush=True)
-    command = command_line("bench.redis_features", argv)
-    body = render(whole, without, args, command.strip())
-    print(body)
-    if args.write:
-        replace_section(Path(args.write), MARKER, body)
+            tree = copy_without(features[name], Path(tmp))
+            return run_probe(tree, args.tasks, args.batch, "fed", True)
+
+    whole, without = ablate(list(features), measure)
+    command = command_line("bench.redis_features", argv).strip()
+    publish(render(whole, without, args, command), args.write, MARKER)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     python -m bench.redis_floor [--tasks 4000] [--batch 32] [--repeats 3] [--instructions]
         [--write bench/README.md]
 
-What would a task cost Redis if the state layer kept only what its guarantees need? Two
-models of that least state (``bench/floor/*.lua``, four small scripts each, nothing else), run
-phase by phase as ``bench.redis_phases`` runs vlmq (one client, no worker processes):
+What would a task cost Redis if the state layer kept only what its guarantees need, and what
+would vlmq's redesign around a field per task cost? Three models (``bench/floor/*.lua``, four
+small scripts each, nothing else), run phase by phase as ``bench.redis_phases`` runs vlmq (one
+client, no worker processes):
 
 * **hash per task**: the task's status is a hash, as in vlmq: created with its ttl at enqueue
   (state, job, class, queue, expiry, tag, custom_id, delivery count), its tag checked and a
@@ -19,10 +20,24 @@ phase by phase as ``bench.redis_phases`` runs vlmq (one client, no worker proces
 Both leave out what vlmq does beyond that: fair share across tenants and jobs, quotas,
 usage, one task per custom_id (claims), replies kept for a lost reply's retry, folding a
 finished task into its job, the completion list, finish checks and events, prepared lanes,
-copies of a task already held, messages of other Celery producers. Each run has its own fresh
-``redis-server`` (AOF everysec) and, on it, the raw reference (~1 KB strings ``LPUSH``ed in
-pipelined chunks of 2,000, ``BRPOP``ed one per call); vlmq runs through
-``bench.redis_phases``'s probe (a fed bulk job). Redis CPU is the main thread's (``INFO
+copies of a task already held, messages of other Celery producers. The third puts them back:
+
+* **field per task, features kept** (``lean``): the redesign docs/broker.md lays out, as lean
+  scripts. A task's whole status is one field of its job's state hash ('state token attempts
+  tag batch queued_at modality custom_id'), which is also the job's claims (a live or
+  succeeded task's id is skipped when fed again); messages on the job's own list, served by
+  fair share (the class's tenants, each tenant's jobs, least recently served first, an empty
+  list leaving its zset) after the fixed lists a GPU worker drains first; a live holder's copy
+  dropped at the pull; each held task's origin list and zset; the pull's rows with the
+  message and the status the worker decides on; kept replies for the feed, pull and settle;
+  the job's and quota's counters, the completion list, usage per job and tenant, the job
+  keys' ttls and a finish check once per call. Not modelled: the interactive lane's single
+  tasks (hashes, as now), events and notifications, a task's own ttl (a job's fields expire
+  together), cancel, expiry and the reaper (off the per-task path).
+
+Each run has its own fresh ``redis-server`` (AOF everysec) and, on it, the raw reference (~1
+KB strings ``LPUSH``ed in pipelined chunks of 2,000, ``BRPOP``ed one per call); vlmq runs
+through ``bench.redis_phases``'s probe (a fed bulk job). Redis CPU is the main thread's (``INFO
 cpu``) per task; each design is also given over the raw consumer on its own server.
 ``--instructions`` counts the instructions redis-server executes per task instead (callgrind,
 one round: deterministic; the raw reference is left out there, its cost being mostly the
@@ -56,7 +71,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "floor"
 MARKER = "redis-floor"
 PHASES = ("enqueue", "pull", "start", "settle")
-DESIGNS = {"hash": "floor: hash per task", "fields": "floor: field per task"}
+DESIGNS = {
+    "hash": "floor: hash per task",
+    "fields": "floor: field per task",
+    "lean": "field per task, features kept",
+}
 VLMQ = "vlmq"
 JOB = "job1"
 CHUNK = 2000  # tasks per enqueue call, as vlmq's feed applies a chunk of its input
@@ -118,9 +137,14 @@ class Floor:
     """One floor design's four scripts on one Redis, called as vlmq's state layer is."""
 
     QUEUE, INFLIGHT, LEASES = "floor:queue", "floor:inflight", "floor:leases"
+    # The lean design's own keys (bench/floor/lean_*.lua): a job's state hash and list, fair
+    # share's zsets, the origins, completion list, usage and quota.
+    STATES, JOB_LIST, TENANT = "floor:states:", f"floor:q:{JOB}", "tenant1"
+    ACTIVE, CLASS_ACTIVE = f"floor:active:{TENANT}", "floor:active"
+    FIXED = ("floor:interactive.prepared", "floor:interactive", "floor:bulk.prepared")
 
     def __init__(self, redis: redis_py.Redis, design: str) -> None:
-        self.design = design
+        self.redis, self.design = redis, design
         self.scripts = {
             phase: redis.register_script((SCRIPTS / f"{design}_{phase}.lua").read_text())
             for phase in PHASES
@@ -129,8 +153,19 @@ class Floor:
         for script in self.scripts.values():
             redis.script_load(script.script)
 
+    @staticmethod
+    def call_key() -> str:
+        return f"floor:call:{uuid.uuid4().hex}"
+
     def enqueue(self, tasks: list[tuple[str, str, str]], job: str = JOB) -> int:
         """Creates each (id, tag, message)'s task and queues its message."""
+        if self.design == "lean":
+            keys = [self.STATES + job, f"floor:job:{job}", self.JOB_LIST, self.ACTIVE]
+            keys += [self.CLASS_ACTIVE, "floor:depth", f"floor:quota:{self.TENANT}"]
+            lean: list[str | int] = [TTL_S]
+            for task_id, tag, raw in tasks:
+                lean += [task_id, tag, f"custom {task_id}", raw]
+            return int(self.scripts["enqueue"](keys=[*keys, self.call_key()], args=lean))
         argv: list[str | int] = [job] if self.design == "fields" else [job, TTL_S]
         for task in tasks:
             argv += task
@@ -141,8 +176,27 @@ class Floor:
         for at in range(0, len(tasks), CHUNK):
             self.enqueue(tasks[at : at + CHUNK])
 
-    def pull(self, count: int) -> list[tuple[str, str]]:
-        """Up to ``count`` (id, token) this holder now leases."""
+    def requeue(self, task_id: str, raw: str) -> None:
+        """A reaper's give-back of a held task's copy: its lease ends, its message is queued
+        again where it came from."""
+        redis = self.redis
+        if self.design != "lean":
+            redis.lpush(self.QUEUE, raw)
+            return
+        redis.zrem(self.LEASES, task_id)
+        redis.lpush(self.JOB_LIST, raw)
+        redis.zadd(self.ACTIVE, {self.JOB_LIST: 0}, nx=True)
+        redis.zadd(self.CLASS_ACTIVE, {self.ACTIVE: 0}, nx=True)
+
+    def pull(self, count: int, call: str | None = None) -> list[tuple[str, str]]:
+        """Up to ``count`` (id, token) this holder now leases (``call``: the lean design's
+        call key, for a retry of the same call; a new one by default)."""
+        if self.design == "lean":
+            keys = [self.INFLIGHT, self.LEASES, "floor:origins", "floor:origin-zsets"]
+            keys += ["floor:depth", self.CLASS_ACTIVE, call or self.call_key(), *self.FIXED]
+            rows = self.scripts["pull"](keys=keys, args=[count, LEASE_S, self.STATES])
+            words = [x.decode() if isinstance(x, bytes) else str(x) for x in rows]
+            return [(words[at], words[at + 2]) for at in range(0, len(words), 8)]
         keys = [self.QUEUE, self.INFLIGHT, self.LEASES]
         got = self.scripts["pull"](keys=keys, args=[count, LEASE_S])
         words = [x.decode() if isinstance(x, bytes) else str(x) for x in got]
@@ -151,10 +205,24 @@ class Floor:
     def start(self, held: list[tuple[str, str]], batch_id: str, job: str = JOB) -> list[int]:
         """1 per task moved to running, 0 per fenced-out holder."""
         pairs = [x for task in held for x in task]
+        if self.design == "lean":
+            keys = [f"floor:batch:{batch_id}", f"floor:job:{job}"]
+            args = [self.STATES, job, batch_id, "w@host:1", *pairs]
+            return list(self.scripts["start"](keys=keys, args=args))
         return list(self.scripts["start"](args=[job, batch_id, *pairs]))
 
     def settle(self, held: list[tuple[str, str]], job: str = JOB) -> list[int]:
         """1 per task that succeeded, 0 per fenced-out holder; every lease acknowledged."""
+        if self.design == "lean":
+            keys = [self.INFLIGHT, self.LEASES, "floor:origins", "floor:origin-zsets"]
+            keys += [f"floor:job:{job}", f"floor:job:{job}:finished", f"floor:job:{job}:usage"]
+            keys += [f"floor:usage:{self.TENANT}", "floor:usage-tenants"]
+            keys += [f"floor:quota:{self.TENANT}", self.call_key(), self.STATES + job]
+            keys.append(self.JOB_LIST)
+            args: list[str | int] = [TTL_S, self.TENANT, "noop|text"]
+            for task_id, token in held:
+                args += [task_id, token, 10, 16, "0.001"]
+            return list(self.scripts["settle"](keys=keys, args=args))
         pairs = [x for task in held for x in task]
         keys = [self.INFLIGHT, self.LEASES]
         return list(self.scripts["settle"](keys=keys, args=[job, *pairs]))

@@ -49,10 +49,14 @@ def stopped_with_prefetched_work(
     }
     job, ids = h.submit_text(tasks)
     victim = h.noop_worker("victim", delay_s, **env)
+    # Until its prefetch is full the victim's puller pulls again at once, so a count taken
+    # earlier could be one batch short by the time the signal lands; full, it pulls nothing
+    # more until the running batch ends (``delay_s``).
+    full = batch * prefetch_batches
     wait_until(
-        lambda: len(h.running_on(ids, "victim")) == batch and _held(h) > batch,
+        lambda: len(h.running_on(ids, "victim")) == batch and _held(h) == full,
         timeout=120,
-        what="a batch running and more prefetched",
+        what="a batch running and the prefetch full",
     )
     running = h.running_on(ids, "victim")
     held = _held(h)

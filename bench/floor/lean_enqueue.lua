@@ -1,7 +1,8 @@
 -- A field per task with vlmq's features kept (a model of the redesign, docs/broker.md): enqueue,
 -- as vlmq's feed. Each task's whole status is one field of its job's state hash (which is also
--- the job's claims: a live or succeeded task's field makes a line with its id a skip): 'state
--- token attempts tag batch queued_at modality custom_id'. The message goes on the job's own
+-- the job's claims: a live or succeeded task's field makes a line with its id a skip, a
+-- failed, cancelled or expired one is queued again; the job's counts of the superseded task
+-- are not modelled): 'state token attempts tag batch queued_at modality custom_id'. The message goes on the job's own
 -- list, the list into its tenant's active zset and the tenant into the class's (fair share);
 -- the job's and the tenant quota's counters, and the job keys' ttls, once per call; the reply
 -- kept under the call's id for a lost reply's retry.

@@ -194,13 +194,15 @@ class Floor:
         if self.design == "lean":
             keys = [self.INFLIGHT, self.LEASES, "floor:origins", "floor:origin-zsets"]
             keys += ["floor:depth", self.CLASS_ACTIVE, call or self.call_key(), *self.FIXED]
-            rows = self.scripts["pull"](keys=keys, args=[count, LEASE_S, self.STATES])
-            words = [x.decode() if isinstance(x, bytes) else str(x) for x in rows]
-            return [(words[at], words[at + 2]) for at in range(0, len(words), 8)]
-        keys = [self.QUEUE, self.INFLIGHT, self.LEASES]
-        got = self.scripts["pull"](keys=keys, args=[count, LEASE_S])
+            got = self.scripts["pull"](keys=keys, args=[count, LEASE_S, self.STATES])
+            # (rows of 8: id, message, token, origin and the status the worker decides on)
+            width, token = 8, 2
+        else:
+            keys = [self.QUEUE, self.INFLIGHT, self.LEASES]
+            got = self.scripts["pull"](keys=keys, args=[count, LEASE_S])
+            width, token = 2, 1
         words = [x.decode() if isinstance(x, bytes) else str(x) for x in got]
-        return list(zip(words[::2], words[1::2], strict=True))
+        return [(words[at], words[at + token]) for at in range(0, len(words), width)]
 
     def start(self, held: list[tuple[str, str]], batch_id: str, job: str = JOB) -> list[int]:
         """1 per task moved to running, 0 per fenced-out holder."""

@@ -160,13 +160,12 @@ def _missing(error: Any) -> bool:
 _LAYOUT_REFUSED = "UNREADABLE "
 
 
-def _layout_refusal(error: ResponseError) -> LayoutUnreadable | None:
+def _layout_refusal(error: Any) -> LayoutUnreadable | None:
     """The library's refusal while a newer layout is in force (the call did not run), or
-    None for any other error."""
-    text = str(error)
-    if text.startswith(_LAYOUT_REFUSED):
-        return LayoutUnreadable(text.removeprefix(_LAYOUT_REFUSED))
-    return None
+    None for any other error or reply."""
+    if not isinstance(error, ResponseError) or not str(error).startswith(_LAYOUT_REFUSED):
+        return None
+    return LayoutUnreadable(str(error).removeprefix(_LAYOUT_REFUSED))
 
 
 class Call:
@@ -302,7 +301,7 @@ class Scripts:
                 # call did not run, so loading the library and running it again is safe.
                 self.load()
                 continue
-            refusal = _layout_refusal(reply) if isinstance(reply, ResponseError) else None
+            refusal = _layout_refusal(reply)
             if refusal is not None:
                 raise refusal from None
             if isinstance(reply, Exception):

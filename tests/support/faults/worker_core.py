@@ -9,6 +9,7 @@ docs/reliability.md). Sizes are arguments, so CI runs them small.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import time
@@ -388,14 +389,22 @@ def webhook_sender_dies(h: Harness) -> dict[str, Any]:
         h.noop_worker("next", 0.05, **hooks)
         wait_until(lambda: receiver.received, timeout=60, what="delivery by the next worker")
         redelivered_after = time.monotonic() - killed_at
-        status = h.client.redis.hget(Keys().job("hooked"), "webhook_status")
+
+        def events_left() -> int:
+            return h.client.redis.llen(Keys().events()) + h.client.redis.zcard(
+                Keys().events_leased()
+            )
+
+        # The receiver has the request before the sender has its answer: the sender records
+        # the outcome, then lets the event go. Read both once it has (or the deadline passed).
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: events_left() == 0, timeout=30, what="the event let go")
         return {
             "attempts_seen": receiver.requests_seen,
             "delivered": len(receiver.received),
-            "webhook_status": status,
+            "webhook_status": h.client.redis.hget(Keys().job("hooked"), "webhook_status"),
             "redelivered_after_s": round(redelivered_after, 2),
-            "events_left": h.client.redis.llen(Keys().events())
-            + h.client.redis.zcard(Keys().events_leased()),
+            "events_left": events_left(),
         }
     finally:
         receiver.close()
